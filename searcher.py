@@ -1,0 +1,254 @@
+"""
+SEARCHER side of TBA: generate, score, annotate, and ship trajectories; receive new weights.
+
+A searcher process loops forever (until told to stop):
+    1. if the trainer published newer weights (policy or reference), copy them in;
+    2. take the next `prompts_per_search` prompts of its own shard of the training set (cycling, reshuffled
+       every pass);
+    3. generate S = `samples_per_prompt` responses per prompt at the sampling temperature (optionally a
+       random temperature per batch, for exploration, as the official code offers);
+    4. score every response with the task's reward, and compute what is cheaper here than on the trainer:
+       the behaviour log-prob (for importance-ratio objectives) and the reference log-prob, tagged with the
+       reference version it came from, so the trainer can recompute it if the reference has since moved;
+    5. put the batch of `Trajectory`s on the queue (with a timeout, re-checking the stop flag).
+
+Weights travel through `SharedWeights`: one shared-memory copy of the state dict plus a version counter,
+guarded by a lock. The trainer writes it at every sync; a searcher copies it into its model when the
+version changed. Nothing is pickled per step.
+
+Generation sits behind a small backend interface, `generate(prompt_ids, n, temperature) -> [ids]` and
+`load_state_dict(tensors)`: `HFGenerator` (transformers `generate` with KV cache; CPU or GPU) and
+`VLLMGenerator` (GPU only, imported only when chosen). Sampling is full-support (top_k=0, top_p=1), as TB
+requires of an off-policy sampler.
+
+Departures from the official code:
+  1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived (see
+     buffer.py for how the staleness of most-on-policy draws stays bounded).
+  2. A searcher that raises exits non-zero with its traceback on stderr; the trainer notices within one
+     step and stops the run (the official MPI code hangs).
+
+Run it through `python run_gsm8k.py`; this module has no entry point of its own.
+"""
+
+import os
+import queue
+import random
+
+import torch
+
+from buffer import Trajectory
+from loss import make_batch, sequence_logprobs
+
+
+# -----------------------------------------------------------------------------
+# Models and weights
+
+def load_model(path, device="cpu", dtype=torch.float32, trust_remote_code=False):
+    """AutoModelForCausalLM + AutoTokenizer from a hub name or local dir, in eval mode, with a pad token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer of {path} has no EOS token; responses could never end")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is always masked out, so any id will do
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+class SharedWeights:
+    """A state dict in shared memory with a version counter: the trainer publishes, searchers pull."""
+
+    def __init__(self, model, ctx, version=0):
+        self.tensors = {n: t.detach().to("cpu", copy=True).share_memory_() for n, t in model.state_dict().items()}
+        self.version = ctx.Value("q", version)  # the trainer step whose weights these are
+        self.lock = ctx.Lock()
+
+    def publish(self, model, version):
+        with self.lock:
+            for n, t in model.state_dict().items():
+                self.tensors[n].copy_(t.detach())
+            self.version.value = version
+
+    def pull(self, target, have_version):
+        """Copy into `target` (a model or a generator) if newer than have_version; return the version held."""
+        if self.version.value == have_version:
+            return have_version
+        with self.lock:
+            target.load_state_dict(self.tensors)
+            return self.version.value
+
+
+# -----------------------------------------------------------------------------
+# Generation backends
+
+class HFGenerator:
+    """transformers `generate` (KV cache) on a model this process owns."""
+
+    def __init__(self, model, tokenizer, max_new_tokens):
+        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+
+    def load_state_dict(self, tensors):
+        self.model.load_state_dict(tensors)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, n, temperature, greedy=False):
+        """n responses per prompt (prompt-major order), each a list of ids ending in EOS unless truncated."""
+        rows = [p for p in prompt_ids for _ in range(n)]
+        input_ids, attention_mask, _ = make_batch(rows, [[]] * len(rows), self.tokenizer.pad_token_id)
+        device = self.model.device
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                  max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                                  eos_token_id=self.tokenizer.eos_token_id, **sampling)
+        return [cut_at_eos(row, self.tokenizer.eos_token_id) for row in out[:, input_ids.shape[1]:].tolist()]
+
+
+class VLLMGenerator:
+    """vLLM's offline `LLM` engine (GPU only). Weights are updated through vLLM's public worker-extension API:
+    `worker_extension_cls` adds `VLLMWeightLoader.load_named_tensors` to each vLLM worker, and
+    `LLM.collective_rpc` calls it there."""
+
+    def __init__(self, path, tokenizer, max_new_tokens, gpu_memory_utilization, seed, dtype):
+        from vllm import LLM  # imported here: vLLM is optional and GPU-only
+        self.llm = LLM(model=path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                       enable_prefix_caching=True, worker_extension_cls="searcher.VLLMWeightLoader")
+        self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+        self.model = None  # the weights live inside the engine
+
+    def load_state_dict(self, tensors):
+        self.llm.collective_rpc("load_named_tensors", args=(list(tensors.items()),))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def generate(self, prompt_ids, n, temperature, greedy=False):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=-1,
+                                max_tokens=self.max_new_tokens)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+class VLLMWeightLoader:
+    """Mixed into vLLM's worker class (worker_extension_cls); its methods run inside the vLLM worker."""
+
+    def load_named_tensors(self, named_tensors):
+        self.model_runner.model.load_weights(weights=[(n, t.to(self.device)) for n, t in named_tensors])
+
+
+def cut_at_eos(ids, eos_id):
+    """Keep tokens up to and including the first EOS (what follows is padding)."""
+    return ids[:ids.index(eos_id) + 1] if eos_id in ids else ids
+
+
+# -----------------------------------------------------------------------------
+# One search batch
+
+class Searcher:
+    """Turns query ids into scored, annotated Trajectories. Used by searcher processes and by --sync mode."""
+
+    def __init__(self, cfg, task, generator, policy, ref, tokenizer, seed):
+        self.cfg, self.task, self.generator = cfg, task, generator
+        self.policy, self.ref, self.tokenizer = policy, ref, tokenizer
+        self.prompt_ids = [tokenizer(p)["input_ids"] for p in task.prompts]
+        self.rng = random.Random(seed)
+
+    def temperature(self):
+        lo, hi = self.cfg.temperature, self.cfg.temperature_max
+        return lo if hi is None else self.rng.uniform(lo, hi)
+
+    def search(self, query_ids, policy_version, ref_version):
+        T = self.temperature()
+        prompts = [self.prompt_ids[q] for q in query_ids]
+        responses = self.generator.generate(prompts, self.cfg.samples_per_prompt, T)
+        qids = [q for q in query_ids for _ in range(self.cfg.samples_per_prompt)]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        rewards = [self.task.reward(text, self.task.answers[q]) for text, q in zip(texts, qids)]
+        behavior_logp = self.score(self.policy, qids, responses, T)
+        ref_logp = self.score(self.ref, qids, responses, self.cfg.loss_temperature or self.cfg.temperature)
+        return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
+                           behavior_logp=float(b), ref_logp=float(lr), ref_version=ref_version)
+                for q, r, rw, b, lr in zip(qids, responses, rewards, behavior_logp, ref_logp)]
+
+    @torch.no_grad()
+    def score(self, model, qids, responses, temperature):
+        """Sequence log-probs of the responses under `model`, in chunks of `micro_batch` rows. (N,)"""
+        out = []
+        for i in range(0, len(qids), self.cfg.micro_batch):
+            batch = make_batch([self.prompt_ids[q] for q in qids[i:i + self.cfg.micro_batch]],
+                               responses[i:i + self.cfg.micro_batch], self.tokenizer.pad_token_id)
+            out.append(sequence_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu())
+        return torch.cat(out).tolist()
+
+
+# -----------------------------------------------------------------------------
+# The process
+
+def shard_batches(num_prompts, rank, world, batch_size, seed):
+    """Endless batches of query ids from this searcher's shard, reshuffled every pass."""
+    shard = list(range(rank, num_prompts, world))
+    rng = random.Random(seed)
+    while True:
+        rng.shuffle(shard)
+        for i in range(0, len(shard), batch_size):
+            yield shard[i:i + batch_size]
+
+
+def searcher_main(rank, cfg, task, policy_weights, ref_weights, out_queue, stop_event, parent_pid):
+    """Entry point of a searcher process. Exits non-zero (traceback on stderr) on any error."""
+    try:
+        torch.set_num_threads(cfg.searcher_threads)
+        seed = cfg.seed + 1000 * (rank + 1)
+        torch.manual_seed(seed)
+        device, dtype = cfg.searcher_devices[rank], _dtype(cfg.dtype)
+        if cfg.backend == "vllm":  # vLLM places itself by CUDA_VISIBLE_DEVICES; set before CUDA starts here
+            os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":")[-1]
+            device = "cuda:0"
+        policy, tokenizer = load_model(cfg.model, device, dtype, cfg.trust_remote_code)
+        ref, _ = load_model(cfg.ref_model or cfg.model, device, dtype, cfg.trust_remote_code)
+        generator = make_generator(cfg, policy, tokenizer, seed)
+        searcher = Searcher(cfg, task, generator, policy, ref, tokenizer, seed)
+        version = ref_version = -1
+        for query_ids in shard_batches(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
+            if stop_event.is_set() or os.getppid() != parent_pid:  # stopped, or the trainer is gone
+                break
+            new_version = policy_weights.pull(policy, version)
+            if new_version != version and generator.model is not policy:
+                generator.load_state_dict({n: t.cpu() for n, t in policy.state_dict().items()})  # vLLM's own copy
+            version = new_version
+            ref_version = ref_weights.pull(ref, ref_version)
+            batch = searcher.search(query_ids, version, ref_version)
+            while not stop_event.is_set():
+                try:
+                    out_queue.put((rank, batch), timeout=1.0)
+                    break
+                except queue.Full:
+                    continue
+    except KeyboardInterrupt:
+        pass  # Ctrl-C reaches every process in the group; the trainer reports it
+    finally:
+        out_queue.cancel_join_thread()  # never block exit on data nobody will read
+
+
+def make_generator(cfg, policy, tokenizer, seed):
+    if cfg.backend == "vllm":
+        return VLLMGenerator(cfg.model, tokenizer, cfg.max_new_tokens, cfg.vllm_gpu_memory_utilization, seed, cfg.dtype)
+    return HFGenerator(policy, tokenizer, cfg.max_new_tokens)
+
+
+def _dtype(name):
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+# -----------------------------------------------------------------------------
+# Evaluation (greedy pass@1), shared by the trainer and the benchmarks
+
+@torch.no_grad()
+def evaluate(generator, tokenizer, prompts, answers, reward, batch_size):
+    """Greedy accuracy over (prompt, answer) pairs, and the first completion for a look."""
+    correct, first = 0.0, None
+    for i in range(0, len(prompts), batch_size):
+        ids = [tokenizer(p)["input_ids"] for p in prompts[i:i + batch_size]]
+        texts = tokenizer.batch_decode(generator.generate(ids, 1, 1.0, greedy=True), skip_special_tokens=True)
+        correct += sum(reward(t, a) for t, a in zip(texts, answers[i:i + batch_size]))
+        first = texts[0] if first is None else first
+    return correct / len(prompts), first

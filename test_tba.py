@@ -1,0 +1,544 @@
+"""
+Tests for TBA: the math against closed forms, the buffer against expected frequencies, the grader on real
+GSM8K, and the processes end to end with the tiny preset. CPU only, no network.
+
+Run: python -m pytest -q test_tba.py
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from buffer import ReplayBuffer, Trajectory
+from loss import (beta_schedule, dr_grpo_loss, grpo_loss, make_batch, rloo_loss, sequence_logprobs,
+                  vargrad_tb_loss, wsd_lr_multiplier)
+from rewards import extract_answer, gold_answer, gsm8k_reward, load_gsm8k
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GSM8K_DIR = os.path.join(HERE, "..", "shared", "data", "gsm8k")
+
+
+# -----------------------------------------------------------------------------
+# loss.py
+
+def test_vargrad_loss_hand_computed():
+    # one query, K = 2, beta = 0.5: r/beta = (2, 0); kl = (-1, 1); log_Z = mean(2 - -1, 0 - 1) = 1
+    # residuals: log_Z + kl - r/beta = (1 - 1 - 2, 1 + 1 - 0) = (-2, 2) -> loss = mean(4, 4) = 4
+    logp = torch.tensor([[-3.0, -1.0]])
+    ref_logp = torch.tensor([[-2.0, -2.0]])
+    reward = torch.tensor([[1.0, 0.0]])
+    assert vargrad_tb_loss(logp, ref_logp, reward, beta=0.5).item() == pytest.approx(4.0)
+
+
+def test_vargrad_loss_and_gradient_vanish_at_optimum():
+    torch.manual_seed(0)
+    Q, K, beta = 3, 6, 0.1
+    ref_logp = -20 * torch.rand(Q, K, dtype=torch.float64)
+    reward = torch.rand(Q, K, dtype=torch.float64)
+    c = 5 * torch.randn(Q, 1, dtype=torch.float64)  # any per-query constant: log Z(x)
+    logp = (ref_logp + reward / beta - c).requires_grad_()
+    loss = vargrad_tb_loss(logp, ref_logp, reward, beta)
+    loss.backward()
+    assert loss.item() < 1e-20, f"loss at the optimum should be 0, got {loss.item()}"
+    assert logp.grad.abs().max().item() < 1e-10, "gradient at the optimum should be 0"
+
+
+def test_vargrad_gradient_matches_appendix_a():
+    torch.manual_seed(1)
+    Q, K, beta = 4, 5, 0.05
+    logp = (-10 * torch.rand(Q, K, dtype=torch.float64)).requires_grad_()
+    ref_logp = -10 * torch.rand(Q, K, dtype=torch.float64)
+    reward = torch.randint(0, 2, (Q, K)).double()
+    vargrad_tb_loss(logp, ref_logp, reward, beta).backward()
+    # Appendix A, computed independently: A = (r - r_bar) - beta (kl - kl_bar); grad = -(2 / beta) A / (Q K)
+    r, kl = reward.numpy(), (logp - ref_logp).detach().numpy()
+    A = (r - r.mean(axis=1, keepdims=True)) - beta * (kl - kl.mean(axis=1, keepdims=True))
+    np.testing.assert_allclose(logp.grad.numpy(), -(2 / beta) * A / (Q * K), rtol=1e-10, atol=1e-12)
+
+
+def test_vargrad_log_Z_is_detached():
+    # if log_Z carried gradient the per-query sum of gradients would be 0 only by accident; with it detached
+    # the gradient is the Appendix A form, whose per-query sum is 0 (advantages are centred)
+    logp = torch.tensor([[-1.0, -2.0, -4.0]], requires_grad=True)
+    vargrad_tb_loss(logp, torch.zeros(1, 3), torch.tensor([[1.0, 0.0, 0.0]]), 1.0).backward()
+    assert logp.grad.sum().abs().item() < 1e-6
+    assert logp.grad.abs().sum().item() > 0.1
+
+
+class _TableLM(torch.nn.Module):
+    """A 'model' whose logits at position t depend only on the token at t: easy to score by hand."""
+
+    def __init__(self, V=7):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Parameter(torch.randn(V, V))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return type("Out", (), {"logits": self.table[input_ids]})
+
+
+def test_sequence_logprobs_matches_manual_sum_and_ignores_padding():
+    model, pad = _TableLM(), 0
+    prompts, responses = [[3, 1, 4], [1]], [[5, 2], [6, 2, 3, 4]]
+    input_ids, attention_mask, response_mask = make_batch(prompts, responses, pad)
+    assert input_ids.tolist() == [[3, 1, 4, 5, 2, 0, 0], [0, 0, 1, 6, 2, 3, 4]], "left-pad prompts, right-pad responses"
+    assert response_mask.tolist() == [[0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1]]
+    for T in (1.0, 0.7):
+        got = sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature=T)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            seq = p + r
+            want = sum(torch.log_softmax(model.table[seq[t - 1]] / T, -1)[seq[t]].item() for t in range(len(p), len(seq)))
+            assert got[i].item() == pytest.approx(want, abs=1e-5)
+    # padding contributes exactly 0, even where the model's logits there are garbage
+    model.table.data[pad] = float("nan")
+    got = sequence_logprobs(model, input_ids, attention_mask, response_mask)
+    assert torch.isfinite(got).all(), "NaN logits at padded positions must not leak into the sum"
+
+
+def test_sequence_logprobs_left_padding_invariant_on_real_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)).eval()
+    prompt, response = [5, 6, 7, 8], [9, 10, 11]
+    alone = sequence_logprobs(model, *make_batch([prompt], [response], 0))
+    batched = sequence_logprobs(model, *make_batch([prompt, [1] * 9], [response, [2] * 6], 0))
+    assert batched[0].item() == pytest.approx(alone[0].item(), abs=1e-4), "extra left/right padding changed the log-prob"
+
+
+def test_beta_schedule():
+    assert beta_schedule(0, 0.014, 0.004, 500) == pytest.approx(0.014)
+    assert beta_schedule(250, 0.014, 0.004, 500) == pytest.approx(0.009)
+    assert beta_schedule(500, 0.014, 0.004, 500) == pytest.approx(0.004)
+    assert beta_schedule(900, 0.014, 0.004, 500) == pytest.approx(0.004)
+    assert beta_schedule(100, 0.1, 0.1, 500) == pytest.approx(0.1), "constant when start == end"
+    assert beta_schedule(199, 0.1, 0.01, 1000, stop_step=200) == pytest.approx(0.1 - 0.09 * 199 / 1000)
+    assert beta_schedule(200, 0.1, 0.01, 1000, stop_step=200) == pytest.approx(0.01), "jumps to beta_end at stop_step"
+
+
+def test_wsd_lr_multiplier():
+    lr = lambda s: wsd_lr_multiplier(s, warmup=50, stable=350, decay=600, floor=0.1)
+    assert lr(0) == pytest.approx(1 / 50) and lr(49) == pytest.approx(1.0)
+    assert lr(50) == 1.0 and lr(399) == 1.0
+    assert lr(400) == pytest.approx(1.0) and lr(700) == pytest.approx(1 - 0.9 * 300 / 600)
+    assert lr(1000) == pytest.approx(0.1) and lr(5000) == pytest.approx(0.1)
+
+
+def test_rloo_gradient_is_leave_one_out_advantage():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    reward = torch.tensor([[1.0, 0.0, 0.0]])
+    rloo_loss(logp, logp.detach().clone(), reward, beta=0.1).backward()  # kl = 0
+    # A_k = r_k - mean of the others: (1, -0.5, -0.5); grad = -A / (Q K)
+    np.testing.assert_allclose(logp.grad.numpy(), [[-1 / 3, 0.5 / 3, 0.5 / 3]], atol=1e-6)
+
+
+def test_grpo_clips_ratio_and_dr_grpo_skips_normalisation():
+    behavior = torch.zeros(1, 2)
+    reward = torch.tensor([[1.0, 0.0]])
+    logp = torch.tensor([[0.5, 0.0]], requires_grad=True)  # ratio e^0.5 > 1.2 for the positive advantage
+    grpo_loss(logp, behavior, reward).backward()
+    assert logp.grad[0, 0].item() == 0.0, "a clipped ratio with positive advantage gets no gradient"
+    logp = torch.zeros(1, 2, requires_grad=True)
+    dr_grpo_loss(logp, behavior, reward).backward()
+    # A = r - mean = (0.5, -0.5), no std division; grad = -A / 2
+    np.testing.assert_allclose(logp.grad.numpy(), [[-0.25, 0.25]], atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# buffer.py
+
+def traj(q, resp, reward=0.0, version=0):
+    return Trajectory(query_id=q, response_ids=tuple(resp), reward=reward, policy_version=version)
+
+
+def test_buffer_dedup_keeps_newest():
+    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf.add([traj(0, [1, 2], reward=0.0, version=0), traj(0, [3], version=0)])
+    buf.add([traj(0, [1, 2], reward=1.0, version=5)])
+    assert len(buf) == 2
+    held = {t.response_ids: t for t in buf.items[0].values()}
+    assert held[(1, 2)].policy_version == 5 and held[(1, 2)].reward == 1.0
+    buf.add([traj(0, [1, 2], version=3)])  # a late copy from older weights does not replace the newer one
+    assert {t.response_ids: t.policy_version for t in buf.items[0].values()}[(1, 2)] == 5
+
+
+def test_buffer_evicts_oldest_by_version():
+    buf = ReplayBuffer(capacity_per_query=3, seed=0)
+    buf.add([traj(0, [i], version=v) for i, v in enumerate([4, 1, 3, 0, 2])])
+    assert sorted(t.policy_version for t in buf.items[0].values()) == [2, 3, 4]
+    buf.add([traj(1, [9], version=0)])
+    assert len(buf) == 4 and buf.num_queries == 2, "capacity is per query"
+
+
+def test_buffer_m1_draws_only_latest_round():
+    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf.add([traj(q, [q, i], version=0) for q in range(5) for i in range(4)])
+    buf.add([traj(q, [q, 100 + i], version=2) for q in (7, 8) for i in range(4)])
+    for group in buf.sample(200, 3, m=1.0):
+        assert len({t.query_id for t in group}) == 1
+        assert all(t.query_id in (7, 8) and t.policy_version == 2 for t in group)
+
+
+def test_buffer_round_min_version_keeps_late_items_out_of_round():
+    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf.add([traj(0, [1], version=4), traj(1, [2], version=2)], round_min_version=4)
+    assert buf.latest_ids == [0] and len(buf) == 2
+    assert all(t.query_id == 0 for g in buf.sample(50, 1, m=1.0) for t in g)
+
+
+def test_buffer_m0_uniform_queries():
+    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf.add([traj(q, [i], version=0) for q in range(4) for i in range(3)])
+    buf.add([traj(9, [0], version=1)])
+    counts = np.bincount([g[0].query_id for g in buf.sample(10000, 1, m=0.0)], minlength=10)
+    np.testing.assert_allclose(counts[[0, 1, 2, 3, 9]] / 10000, 0.2, atol=0.02)
+
+
+def test_buffer_softmax_frequencies():
+    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    rewards = [0.0, 0.5, 1.0, 2.0]
+    buf.add([traj(0, [i], reward=r) for i, r in enumerate(rewards)])
+    T, n = 0.5, 40000
+    draws = [g[0].reward for g in buf.sample(n, 1, m=0.0, prioritization="softmax", reward_temp=T)]
+    expected = np.exp(np.array(rewards) / T) / np.exp(np.array(rewards) / T).sum()
+    observed = np.array([draws.count(r) for r in rewards]) / n
+    np.testing.assert_allclose(observed, expected, atol=0.01)
+    uniform = [g[0].reward for g in buf.sample(n, 1, m=0.0, prioritization="uniform")]
+    np.testing.assert_allclose(np.array([uniform.count(r) for r in rewards]) / n, 0.25, atol=0.01)
+
+
+def test_buffer_replacement_only_when_scarce():
+    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf.add([traj(0, [i]) for i in range(5)])
+    for group in buf.sample(100, 5, m=1.0):
+        assert len({t.response_ids for t in group}) == 5, "5 candidates, k=5: no repeats"
+    groups = buf.sample(10, 8, m=1.0)
+    assert all(len(g) == 8 for g in groups), "k larger than the candidates: drawn with replacement"
+
+
+def test_buffer_staleness_and_sizes():
+    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf.add([traj(0, [1], version=3), traj(1, [2], version=5)])
+    assert len(buf) == 2 and buf.num_queries == 2
+    assert sorted(buf.staleness([[buf.items[0][(1,)]], [buf.items[1][(2,)]]], step=7).tolist()) == [2, 4]
+
+
+# -----------------------------------------------------------------------------
+# rewards.py
+
+@pytest.mark.parametrize("text,value", [
+    ("so she has 1,000 apples", 1000.0),
+    ("The total is $1,000.00.", 1000.0),
+    ("the temperature drops to -3 degrees", -3.0),
+    ("half is 0.5 and a quarter .25", 0.25),
+    ("it costs 7.", 7.0),
+    ("She has 16 - 3 - 4 = 9 eggs.\n#### 9", 9.0),
+    ("no number here", None),
+    ("", None),
+    ("#### 1,450,000", 1450000.0),
+])
+def test_extract_answer(text, value):
+    assert extract_answer(text) == value
+
+
+def test_gsm8k_reward():
+    answer = "She sells 16 - 3 - 4 = <<16-3-4=9>>9 eggs.\n#### 18"
+    assert gsm8k_reward("... 9 * 2 = 18 dollars\n#### 18", answer) == 1.0
+    assert gsm8k_reward("#### 18.00", answer) == 1.0
+    assert gsm8k_reward("#### 17", answer) == 0.0
+    assert gsm8k_reward("I don't know", answer) == 0.0
+    assert gsm8k_reward("#### -10", "#### -10") == 1.0
+    assert gold_answer("x\n#### 2,125") == 2125.0
+
+
+def test_load_gsm8k_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_gsm8k(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        load_gsm8k(str(bad))
+    missing = tmp_path / "missing_field.jsonl"
+    missing.write_text('{"question": "q"}\n')
+    with pytest.raises(ValueError, match=r"missing_field.jsonl:1: .*'answer'"):
+        load_gsm8k(str(missing))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no GSM8K rows"):
+        load_gsm8k(str(empty))
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(GSM8K_DIR, "test.jsonl")),
+                    reason="real GSM8K not found at ../shared/data/gsm8k (it is never shipped with the project)")
+def test_grader_on_all_gsm8k_test_gold_solutions():
+    rows = load_gsm8k(os.path.join(GSM8K_DIR, "test.jsonl"))
+    assert len(rows) == 1319
+    wrong = [r["answer"][-60:] for r in rows if gsm8k_reward(r["answer"], r["answer"]) != 1.0]
+    assert not wrong, f"gold solutions graded wrong: {wrong[:5]}"
+
+
+# -----------------------------------------------------------------------------
+# tba.py, searcher.py, run_gsm8k.py: real processes with the tiny preset
+
+def tiny_args(tmp_path, cache_dir, *extra):
+    """A run of the tiny preset shrunk to seconds: a 20-step SFT on 400 problems, a short RL run."""
+    return [sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--preset", "tiny", "--cache-dir", str(cache_dir),
+            "--run-dir", str(tmp_path / "run"), "--tiny-train-size", "400", "--tiny-eval-size", "20",
+            "--tiny-sft-steps", "20", "--eval-size", "20", "--initial-completions", "64", "--max-new-tokens", "24",
+            "--log-every", "1", *extra]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tba-cache")
+
+
+def read_metrics(tmp_path):
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_smoke_run_writes_metrics(tmp_path, cache_dir):
+    t0 = time.time()
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "12", "--sync-every", "2"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert time.time() - t0 < 60, "the smoke run should take under a minute"
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(12))
+    keys = {"loss/train", "loss/log_Z", "loss/kl", "reward/batch", "reward/fresh", "sched/beta", "sched/lr",
+            "buffer/size", "staleness/mean", "staleness/max", "staleness/hist", "perf/samples_per_s", "perf/busy"}
+    assert keys <= set(rows[0]), f"missing metrics: {keys - set(rows[0])}"
+    assert all(np.isfinite(r["loss/train"]) for r in rows)
+    assert "accuracy: before" in out.stdout.splitlines()[-1]
+    assert os.path.isfile(tmp_path / "run" / "final" / "model.safetensors")
+    assert json.load(open(tmp_path / "run" / "config.json"))["steps"] == 12
+
+
+def test_most_on_policy_staleness_bound_and_weights_reach_searchers(tmp_path, cache_dir):
+    k = 2
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "24", "--sync-every", str(k), "--m", "1.0"),
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert max(r["staleness/latest_max"] for r in rows) <= 2 * k - 1, "most-on-policy draws older than 2k-1 steps"
+    assert max(r["searcher/version"] for r in rows) > 0, "searchers never generated with published weights"
+
+
+def test_reference_reset_makes_kl_zero(tmp_path, cache_dir):
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "9", "--ref-reset-every", "4", "--lr", "1e-3"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    for r in rows:
+        if r["step"] in (4, 8):
+            assert r["ref/version"] == r["step"]
+            assert abs(r["loss/kl"]) < 1e-4, f"right after a reset pi_ref == pi, but kl = {r['loss/kl']}"
+    assert any(abs(r["loss/kl"]) > 1e-3 for r in rows if r["step"] in (3, 7)), "the policy should move away between resets"
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
+
+
+def _start_and_wait_for_training(tmp_path, cache_dir):
+    proc = subprocess.Popen(tiny_args(tmp_path, cache_dir, "--steps", "100000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:  # the first metrics line: searchers are up and the trainer is stepping
+        if re.match(r"\s*step\s+\d+ \|", line):
+            return proc
+    raise AssertionError(f"the run ended before training (exit code {proc.wait()})")
+
+
+def test_killed_searcher_ends_run_nonzero_without_orphans(tmp_path, cache_dir):
+    proc = _start_and_wait_for_training(tmp_path, cache_dir)
+    children = _children(proc.pid)
+    searchers = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert searchers, "no searcher process found"
+    t0 = time.time()
+    os.kill(searchers[0], signal.SIGKILL)
+    rest = proc.stdout.read()
+    rc = proc.wait(timeout=30)
+    assert rc != 0
+    assert time.time() - t0 < 10, "the run should stop within 10 s of a searcher dying"
+    assert "searcher-0" in rest and "died" in rest, rest[-2000:]
+    time.sleep(0.5)
+    assert not [p for p in children if _alive(p)], "processes outlived the run"
+
+
+def test_ctrl_c_stops_everything(tmp_path, cache_dir):
+    proc = _start_and_wait_for_training(tmp_path, cache_dir)
+    children = _children(proc.pid)
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    proc.stdout.read()
+    rc = proc.wait(timeout=30)
+    assert rc != 0 and time.time() - t0 < 10
+    time.sleep(0.5)
+    assert not [p for p in children if _alive(p)], "processes outlived the run"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--m", "1.5"], "--m must be in"),
+    (["--responses-per-query", "9", "--samples-per-prompt", "8"], "must be <= --samples-per-prompt"),
+    (["--batch-size", "60", "--responses-per-query", "8"], "multiple of --responses-per-query"),
+])
+def test_config_errors_before_spawn(tmp_path, flags, message):
+    import run_gsm8k
+    with pytest.raises(ValueError, match=message):
+        run_gsm8k.main(["--preset", "tiny", "--run-dir", str(tmp_path), *flags])
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_unknown_flag_is_an_error():
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--no-such-flag", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments: --no-such-flag" in out.stderr
+
+
+def test_shared_weights_reach_a_spawned_process():
+    import torch.multiprocessing as mp
+    from searcher import SharedWeights
+    ctx = mp.get_context("spawn")
+    model = torch.nn.Linear(3, 2)
+    shared = SharedWeights(model, ctx)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    shared.publish(model, version=5)
+    results = ctx.Queue()
+    child = ctx.Process(target=_pull_in_child, args=(shared, results))
+    child.start()
+    version, total = results.get(timeout=60)
+    child.join(timeout=30)
+    assert version == 5 and total == pytest.approx(7.0 * 6 + model.bias.sum().item(), abs=1e-5)
+
+
+def _pull_in_child(shared, results):
+    model = torch.nn.Linear(3, 2)
+    version = shared.pull(model, have_version=-1)
+    results.put((version, sum(p.sum().item() for p in model.parameters())))
+
+
+# -----------------------------------------------------------------------------
+# The paper preset's code path with tiny random models of real architectures
+
+def _gsm8k_dir(tmp_path):
+    """The real GSM8K files when ../shared has them, else a few rows in the official format."""
+    if os.path.isfile(os.path.join(GSM8K_DIR, "train.jsonl")):
+        return GSM8K_DIR
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a in range(1, 9) for b in range(1, 9)]
+    for split in ("train", "test"):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(tmp_path)
+
+
+def _bpe_tokenizer(arch, texts):
+    """A small BPE tokenizer trained here, wrapped in the architecture's real tokenizer class."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPTNeoXTokenizerFast, LlamaTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if arch == "llama" else None))
+    if arch == "llama":  # sentencepiece-style: a metaspace BPE with <s> / </s>
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        specials = ["<unk>", "<s>", "</s>"]
+    else:  # GPT-NeoX (Pythia): byte-level BPE with <|endoftext|>
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        specials = ["<|endoftext|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if arch != "llama" else [])
+    tok.train_from_iterator(texts, trainer)
+    if arch == "llama":
+        return LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return GPTNeoXTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+
+
+def _tiny_random_hf_model(arch, out_dir, texts):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+    tokenizer = _bpe_tokenizer(arch, texts)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=1024,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(LlamaConfig(**shape)) if arch == "llama" else GPTNeoXForCausalLM(GPTNeoXConfig(**shape))
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+@pytest.mark.parametrize("arch,cls", [("gpt_neox", "GPTNeoXForCausalLM"), ("llama", "LlamaForCausalLM")])
+def test_paper_preset_code_path_with_tiny_random_models(tmp_path, arch, cls):
+    data_dir = _gsm8k_dir(tmp_path)
+    rows = load_gsm8k(os.path.join(data_dir, "train.jsonl"))
+    model_dir = _tiny_random_hf_model(arch, tmp_path / "model", [r["question"] + " " + r["answer"] for r in rows[:2000]])
+    cmd = [sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--preset", "paper", "--model", model_dir,
+           "--data-dir", data_dir, "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--searcher-device", "cpu",
+           "--backend", "hf", "--num-searchers", "1", "--trainer-threads", "1", "--searcher-threads", "1",
+           "--steps", "3", "--batch-size", "4", "--responses-per-query", "2", "--samples-per-prompt", "2",
+           "--prompts-per-search", "2", "--micro-batch-queries", "1", "--initial-completions", "4",
+           "--max-new-tokens", "8", "--eval-size", "6", "--warmup-steps", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [r["step"] for r in metrics] == [0, 1, 2] and all(np.isfinite(r["loss/train"]) for r in metrics)
+    config = json.load(open(tmp_path / "run" / "final" / "config.json"))
+    assert config["architectures"] == [cls]
+    resolved = json.load(open(tmp_path / "run" / "config.json"))
+    assert resolved["dtype"] == "float32" and resolved["beta_start"] == 0.014 and resolved["m"] == 0.95
+
+
+class _GoldGenerator:
+    """A stand-in generator that 'generates' the gold solution of each prompt."""
+
+    def __init__(self, tokenizer, solutions):
+        self.tokenizer, self.solutions, self.i = tokenizer, solutions, 0
+
+    def generate(self, prompt_ids, n, temperature, greedy=False):
+        out = [self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in self.solutions[self.i:self.i + len(prompt_ids)]]
+        self.i += len(prompt_ids)
+        return out
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(GSM8K_DIR, "test.jsonl")), reason="real GSM8K not found at ../shared/data/gsm8k")
+def test_eval_routine_scores_gold_solutions_100_percent():
+    from rewards import gsm8k_task
+    from searcher import evaluate
+    rows = load_gsm8k(os.path.join(GSM8K_DIR, "test.jsonl"))
+    task = gsm8k_task(rows[:1], rows)
+    tokenizer = _bpe_tokenizer("gpt_neox", [r["answer"] for r in rows[:500]])
+    generator = _GoldGenerator(tokenizer, task.eval_answers)
+    acc, _ = evaluate(generator, tokenizer, task.eval_prompts, task.eval_answers, task.reward, batch_size=100)
+    assert acc == 1.0 and len(task.eval_prompts) == 1319
+
+
+def test_paper_preset_dry_run_prints_paper_values():
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--preset", "paper", "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    values = {k.strip(): v for k, v in (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)}
+    want = {"model": "realtreetune/rho-1b-sft-GSM8K", "lr": "1e-05", "warmup_steps": "50", "stable_steps": "350",
+            "decay_steps": "600", "temperature": "0.7", "max_new_tokens": "512", "batch_size": "140",
+            "responses_per_query": "20", "samples_per_prompt": "24", "m": "0.95", "sync_every": "2",
+            "beta_start": "0.014", "beta_end": "0.004", "beta_decay_steps": "500", "num_searchers": "3",
+            "initial_completions": "500", "steps": "700"}
+    assert {k: values[k].strip() for k in want} == want
+    assert "process-to-device plan" in out.stdout and "searcher-2" in out.stdout
