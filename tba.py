@@ -437,7 +437,12 @@ class Meter:
     """Wall-clock accounting from step 1 on (after the initial fill): busy time, eval time, samples received."""
 
     def __init__(self):
-        self.t0, self.busy, self.eval, self.received0 = time.time(), 0.0, 0.0, 0
+        self.start = self.t0 = time.time()
+        self.busy, self.eval, self.received0 = 0.0, 0.0, 0
+
+    def elapsed(self):
+        """Seconds since the rollout started (initial fill included), evaluation excluded."""
+        return time.time() - self.start - self.eval
 
     def restart(self, received):
         self.t0, self.busy, self.received0 = time.time(), 0.0, received
@@ -473,6 +478,7 @@ def train(cfg, task):
             rollout.check_alive()
             if step == 1:
                 meter.restart(rollout.received)
+            t_merge = time.time()
             if step % rollout.period == 0:  # merge
                 fresh = rollout.merge(buffer, step)
                 fresh_reward = float(np.mean([t.reward for t in fresh])) if fresh else fresh_reward
@@ -482,18 +488,21 @@ def train(cfg, task):
                 ref_version = step
                 rollout.publish_ref(ref, ref_version)
             t_busy = time.time()
+            merge_s = t_busy - t_merge
             groups = rollout.sample(buffer)  # sample
             beta = beta_schedule(step, cfg.beta_start, cfg.beta_end, cfg.beta_decay_steps, cfg.beta_stop_step)
             lr = cfg.lr * wsd_lr_multiplier(step, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor)
             for group in opt.param_groups:
                 group["lr"] = lr
             m = train_step(cfg, policy, ref, opt, groups, prompt_ids, tokenizer.pad_token_id, beta, ref_version)  # loss, step
-            meter.busy += time.time() - t_busy
+            train_s = time.time() - t_busy
+            meter.busy += train_s
             m.update({"step": step, "sched/beta": beta, "sched/lr": lr, "reward/fresh": fresh_reward,
                       "buffer/size": len(buffer), "buffer/queries": buffer.num_queries,
                       "buffer/latest": sum(len(v) for v in buffer.latest.values()), "ref/version": ref_version,
                       "searcher/version": searcher_version, **staleness_stats(groups, step, buffer),
-                      **meter.rates(rollout.received, started=step >= 1), "time/step": time.time() - t_step})
+                      **meter.rates(rollout.received, started=step >= 1), "time/step": time.time() - t_step,
+                      "time/merge": merge_s, "time/train": train_s, "time/elapsed": meter.elapsed()})
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 t_eval = time.time()
                 m["eval/accuracy"] = run_eval(cfg, policy, tokenizer, task, step + 1, tqdm.write)
