@@ -25,6 +25,7 @@ Departures from the paper / official code:
 Run `python buffer.py` to time add and sample at paper scale (~100k trajectories over 7,000 queries).
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -131,6 +132,26 @@ class ReplayBuffer:
     def _draw(self, candidates, k, p):
         idx = self.rng.choice(len(candidates), size=k, replace=len(candidates) < k, p=p)
         return [candidates[i] for i in idx]
+
+    def state_dict(self):
+        """Everything needed to continue sampling exactly: JSON-serialisable (no pickling)."""
+        return {"capacity": self.capacity, "num_rounds": self.num_rounds, "rng": self.rng.bit_generator.state,
+                "items": [dataclasses.asdict(t) for per_query in self.items.values() for t in per_query.values()],
+                "latest": [[q, [list(t.response_ids) for t in items]] for q, items in self.latest.items()]}
+
+    def load_state_dict(self, state):
+        self.__init__(state["capacity"])
+        self.rng.bit_generator.state = state["rng"]
+        self.num_rounds = state["num_rounds"]
+        for record in state["items"]:  # same insertion order as when saved, so draws repeat exactly
+            t = Trajectory(**{**record, "response_ids": tuple(record["response_ids"])})
+            if t.query_id not in self.items:
+                self.items[t.query_id] = {}
+                self.query_ids.append(t.query_id)
+            self.items[t.query_id][t.response_ids] = t
+            self.size += 1
+        self.latest = {q: [self.items[q][tuple(r)] for r in responses] for q, responses in state["latest"]}
+        self.latest_ids = list(self.latest)
 
     @staticmethod
     def staleness(groups, step):

@@ -18,10 +18,11 @@ Run:  python run_gsm8k.py                  # tiny preset, a few minutes on 2 CPU
 """
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 
-from tba import (Config, ConfigError, SearcherDied, device_plan, knob, parse_config, print_config, resolve_devices, save_config,
+from tba import (Config, ConfigError, NonFiniteError, SearcherDied, device_plan, knob, parse_config, print_config, resolve_devices, save_config,
                  train, validate)
 
 TINY = dict(
@@ -92,6 +93,24 @@ def paper_task(cfg):
     return gsm8k_task(train_rows, test_rows)
 
 
+def check_run_dir(cfg):
+    """Unwritable --run-dir or a --resume without a checkpoint: errors before any data or model work."""
+    from checkpoint import latest_checkpoint
+    try:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        probe = os.path.join(cfg.run_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {cfg.run_dir} is not writable ({e.strerror})") from None
+    if cfg.resume:
+        try:
+            latest_checkpoint(cfg.resume)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+
+
 def main(argv=None):
     import torch
     default = "paper" if torch.cuda.is_available() else "tiny"
@@ -108,11 +127,12 @@ def main(argv=None):
             print("\n".join(["", "no CUDA device is visible; with 4 GPUs (and vLLM installed) the plan would be:",
                              *device_plan(four)]))
         return 0
+    check_run_dir(cfg)
     task = tiny_task_and_model(cfg) if preset == "tiny" else paper_task(cfg)
     save_config(cfg, preset)
     try:
         train(cfg, task)
-    except SearcherDied as e:
+    except (SearcherDied, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -183,21 +183,46 @@ class Searcher:
 # -----------------------------------------------------------------------------
 # The process
 
-def shard_batches(num_prompts, rank, world, batch_size, seed):
-    """Endless batches of query ids from this searcher's shard, reshuffled every pass."""
-    shard = list(range(rank, num_prompts, world))
-    rng = random.Random(seed)
-    while True:
-        rng.shuffle(shard)
-        for i in range(0, len(shard), batch_size):
-            yield shard[i:i + batch_size]
+class PromptSampler:
+    """Endless batches of query ids from one searcher's shard, reshuffled every pass; its state can be saved."""
+
+    def __init__(self, num_prompts, rank, world, batch_size, seed):
+        self.shard, self.batch_size = list(range(rank, num_prompts, world)), batch_size
+        self.rng, self.order, self.pos = random.Random(seed), [], 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos >= len(self.order):
+            self.order, self.pos = self.rng.sample(self.shard, len(self.shard)), 0
+        batch = self.order[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return batch
+
+    def state_dict(self):
+        return {"rng": _json_state(self.rng.getstate()), "order": self.order, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.rng.setstate(_tuple_state(state["rng"]))
+        self.order, self.pos = state["order"], state["pos"]
 
 
-def searcher_main(rank, cfg, task, policy_weights, ref_weights, out_queue, stop_event, parent_pid):
+def _json_state(state):
+    """random.Random.getstate() as JSON-friendly lists."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _tuple_state(state):
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+def searcher_main(rank, cfg, task, policy_weights, ref_weights, out_queue, stop_event, parent_pid, seed):
     """Entry point of a searcher process. Exits non-zero (traceback on stderr) on any error."""
     try:
         torch.set_num_threads(cfg.searcher_threads)
-        seed = cfg.seed + 1000 * (rank + 1)
         torch.manual_seed(seed)
         device, dtype = cfg.searcher_devices[rank], _dtype(cfg.dtype)
         if cfg.backend == "vllm":  # vLLM places itself by CUDA_VISIBLE_DEVICES; set before CUDA starts here
@@ -208,7 +233,7 @@ def searcher_main(rank, cfg, task, policy_weights, ref_weights, out_queue, stop_
         generator = make_generator(cfg, policy, tokenizer, seed)
         searcher = Searcher(cfg, task, generator, policy, ref, tokenizer, seed)
         version = ref_version = -1
-        for query_ids in shard_batches(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
+        for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
             if stop_event.is_set() or os.getppid() != parent_pid:  # stopped, or the trainer is gone
                 break
             new_version = policy_weights.pull(policy, version)

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import queue
+import signal
 import sys
 import time
 import typing
@@ -113,6 +114,13 @@ class Config:
     reward_temp: float = knob(1.0, "temperature of softmax prioritization")
     capacity_per_query: int = knob(1000, "newest trajectories kept per query")
     queue_size: int = knob(64, "searcher batches the queue holds before searchers wait")
+    # surviving long runs
+    checkpoint_every: int = knob(0, "save a checkpoint every this many steps (0: only at the end of the run)")
+    resume: str = knob("", "continue the run saved in this run directory, from its latest checkpoint")
+    on_searcher_failure: str = knob("abort", "when a searcher dies: abort (exit non-zero) | restart (up to the limit)")
+    max_searcher_restarts: int = knob(3, "restarts allowed over the run with --on-searcher-failure restart")
+    max_nonfinite_steps: int = knob(5, "abort after this many steps in a row with a non-finite loss or gradient")
+    max_prompt_tokens: int = knob(0, "skip (and count) prompts longer than this many tokens (0: no limit)")
     # evaluation and logging
     eval_every: int = knob(100, "greedy eval on held-out problems every this many steps (0: start and end only)")
     eval_size: int = knob(0, "held-out problems per eval (0: all)")
@@ -179,6 +187,8 @@ def validate(cfg):
         (cfg.ref_reset_every >= 0, "--ref-reset-every must be >= 0"),
         (cfg.initial_completions >= 1, "--initial-completions must be >= 1"),
         (bool(cfg.model), "--model is required"),
+        (cfg.on_searcher_failure in ("abort", "restart"), "--on-searcher-failure must be abort or restart"),
+        (cfg.checkpoint_every >= 0 and cfg.max_nonfinite_steps >= 1, "--checkpoint-every must be >= 0 and --max-nonfinite-steps >= 1"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -254,45 +264,68 @@ class SearcherDied(RuntimeError):
 
 
 class AsyncRollout:
-    """The searcher processes, their queue and the shared weights. Always `close()` it."""
+    """The searcher processes, one queue each, and the shared weights. Always `close()` it."""
 
-    def __init__(self, cfg, task, policy, ref):
-        from searcher import SharedWeights, searcher_main
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.cfg = cfg
-        self.queue = ctx.Queue(maxsize=cfg.queue_size)
-        self.stop_event = ctx.Event()
-        self.policy_weights = SharedWeights(policy, ctx)
-        self.ref_weights = SharedWeights(ref, ctx)
-        self.procs = [ctx.Process(target=searcher_main, name=f"searcher-{rank}",
-                                  args=(rank, cfg, task, self.policy_weights, self.ref_weights, self.queue,
-                                        self.stop_event, os.getpid()))
-                      for rank in range(cfg.num_searchers)]
-        for p in self.procs:
-            p.start()
-        self.received = 0
+    def __init__(self, cfg, task, policy, ref, seed_offset=0):
+        from searcher import SharedWeights
+        self.cfg, self.task, self.seed_offset = cfg, task, seed_offset
+        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.stop_event = self.ctx.Event()
+        self.policy_weights = SharedWeights(policy, self.ctx)
+        self.ref_weights = SharedWeights(ref, self.ctx)
+        self.procs, self.queues = [None] * cfg.num_searchers, [None] * cfg.num_searchers
+        self.received, self.restarts, self.stop = 0, 0, None
         self.period = cfg.sync_every  # merge and publish every k steps
+        for rank in range(cfg.num_searchers):
+            self._start(rank)
+
+    def _start(self, rank):
+        """(Re)start searcher `rank` with a fresh queue: a process killed mid-write can leave its queue corrupt."""
+        from searcher import searcher_main
+        seed = self.cfg.seed + self.seed_offset + 1000 * (rank + 1) + 100_000 * self.restarts
+        self.queues[rank] = self.ctx.Queue(maxsize=self.cfg.queue_size)
+        self.procs[rank] = self.ctx.Process(
+            target=searcher_main, name=f"searcher-{rank}",
+            args=(rank, self.cfg, self.task, self.policy_weights, self.ref_weights, self.queues[rank],
+                  self.stop_event, os.getpid(), seed))
+        self.procs[rank].start()
 
     def check_alive(self):
-        for p in self.procs:
-            if p.exitcode is not None:
-                raise SearcherDied(f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}; its traceback, if any, is above")
+        """A dead searcher is restarted (with the current weights) or ends the run, per --on-searcher-failure."""
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is None:
+                continue
+            if self.stop is not None and self.stop.requested:
+                raise KeyboardInterrupt  # Ctrl-C reached the searchers too; not a failure
+            msg = f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}; its traceback, if any, is above"
+            if self.cfg.on_searcher_failure == "abort":
+                raise SearcherDied(msg)
+            if self.restarts >= self.cfg.max_searcher_restarts:
+                raise SearcherDied(f"{msg}; restart limit --max-searcher-restarts {self.cfg.max_searcher_restarts} reached")
+            self.restarts += 1
+            tqdm.write(f"{msg}; restarting it ({self.restarts}/{self.cfg.max_searcher_restarts})")
+            self.queues[rank].cancel_join_thread()
+            self._start(rank)
 
     def merge(self, buffer, step):
-        """Drain the queue into the buffer as one round (blocking for the initial fill at step 0)."""
-        need = self.cfg.initial_completions if step == 0 else 0
+        """Drain every queue into the buffer as one round (blocking for the initial fill at step 0)."""
+        need = self.cfg.initial_completions if step == 0 and self.received == 0 else 0
         items = []
         bar = tqdm(total=need, desc="initial fill", leave=False, disable=need == 0)
         while True:
-            try:
-                _, batch = self.queue.get(block=len(items) < need, timeout=1.0)
-            except queue.Empty:
-                self.check_alive()
+            got = 0
+            for q in self.queues:
+                try:
+                    _, batch = q.get(timeout=0.01)
+                except queue.Empty:
+                    continue
+                items.extend(batch)
+                got += len(batch)
+            bar.update(got)
+            if not got:
                 if len(items) >= need:
                     break
-                continue
-            items.extend(batch)
-            bar.update(len(batch))
+                self.check_alive()
         bar.close()
         self.received += len(items)
         # items from weights older than the previous sync stay out of the most-on-policy round (buffer.py)
@@ -309,6 +342,12 @@ class AsyncRollout:
     def publish_ref(self, ref, ref_version):
         self.ref_weights.publish(ref, ref_version)
 
+    def state_dict(self):
+        return {"restarts": self.restarts}  # searchers restart fresh on resume (see checkpoint.py)
+
+    def load_state_dict(self, state):
+        self.restarts = state["restarts"]
+
     def close(self):
         self.stop_event.set()
         deadline = time.time() + 5.0
@@ -324,17 +363,17 @@ class SyncRollout:
     """On-policy baseline: every step generates fresh responses with the current weights, then trains on them."""
 
     def __init__(self, cfg, task, policy, ref, tokenizer):
-        from searcher import HFGenerator, Searcher, shard_batches
+        from searcher import HFGenerator, PromptSampler, Searcher
         generator = HFGenerator(policy, tokenizer, cfg.max_new_tokens)
         self.cfg = cfg
         self.searcher = Searcher(cfg, task, generator, policy, ref, tokenizer, cfg.seed)
-        self.batches = shard_batches(len(task.prompts), 0, 1, cfg.num_queries, cfg.seed)
-        self.received = 0
+        self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.num_queries, cfg.seed)
+        self.received, self.restarts = 0, 0
         self.period = 1  # on-policy: fresh data every step, whatever --sync-every says
         self.ref_version = 0
 
     def merge(self, buffer, step):
-        items = self.searcher.search(next(self.batches), step, self.ref_version)
+        items = self.searcher.search(next(self.prompts), step, self.ref_version)
         self.received += len(items)
         buffer.add(items)
         return items
@@ -350,6 +389,17 @@ class SyncRollout:
 
     def publish_ref(self, ref, ref_version):
         self.ref_version = ref_version  # ... and scores with the trainer's own reference
+
+    def state_dict(self):
+        from searcher import _json_state
+        return {"prompts": self.prompts.state_dict(), "searcher_rng": _json_state(self.searcher.rng.getstate()),
+                "ref_version": self.ref_version, "received": self.received}
+
+    def load_state_dict(self, state):
+        from searcher import _tuple_state
+        self.prompts.load_state_dict(state["prompts"])
+        self.searcher.rng.setstate(_tuple_state(state["searcher_rng"]))
+        self.ref_version, self.received = state["ref_version"], state["received"]
 
     def close(self):
         pass
@@ -455,8 +505,49 @@ class Meter:
                 "time/eval": self.eval}
 
 
+class Stop:
+    """Ctrl-C during training asks for a clean stop at the next step boundary (a second Ctrl-C is immediate)."""
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def drop_long_prompts(task, tokenizer, max_tokens):
+    """Skip prompts longer than max_tokens (counted and printed), before any searcher sees them."""
+    if not max_tokens:
+        return task
+    keep = lambda prompts: [i for i, p in enumerate(prompts) if len(tokenizer(p)["input_ids"]) <= max_tokens]
+    train_ids, eval_ids = keep(task.prompts), keep(task.eval_prompts)
+    print(f"--max-prompt-tokens {max_tokens}: skipped {len(task.prompts) - len(train_ids)} of {len(task.prompts)} "
+          f"training and {len(task.eval_prompts) - len(eval_ids)} of {len(task.eval_prompts)} held-out prompts")
+    if not train_ids or not eval_ids:
+        raise ConfigError(f"--max-prompt-tokens {max_tokens} leaves no training or no held-out prompts")
+    pick = lambda xs, ids: [xs[i] for i in ids]
+    return dataclasses.replace(task, prompts=pick(task.prompts, train_ids), answers=pick(task.answers, train_ids),
+                               eval_prompts=pick(task.eval_prompts, eval_ids), eval_answers=pick(task.eval_answers, eval_ids))
+
+
+def weights_finite(model):
+    return all(torch.isfinite(p).all().item() for p in model.parameters())
+
+
 def train(cfg, task):
     """Run TBA (or the --sync baseline) on `task`; returns (accuracy before, accuracy after)."""
+    from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from searcher import _dtype, load_model
     validate(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -466,53 +557,91 @@ def train(cfg, task):
     ref, _ = load_model(cfg.ref_model or cfg.model, cfg.device, _dtype(cfg.dtype), cfg.trust_remote_code)
     ref.requires_grad_(False)  # both stay in eval mode: no dropout, log-probs are a function of the weights
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    task = drop_long_prompts(task, tokenizer, cfg.max_prompt_tokens)
     prompt_ids = [tokenizer(p)["input_ids"] for p in task.prompts]
     buffer = ReplayBuffer(cfg.capacity_per_query, cfg.seed)
-    acc_before = run_eval(cfg, policy, tokenizer, task, 0, tqdm.write)
-    metrics_file = open(os.path.join(cfg.run_dir, "metrics.jsonl"), "w")
-    rollout = SyncRollout(cfg, task, policy, ref, tokenizer) if cfg.sync else AsyncRollout(cfg, task, policy, ref)
-    ref_version, fresh_reward, searcher_version, meter = 0, float("nan"), 0, Meter()
+    start, state = 0, {"ref_version": 0, "searcher_version": 0, "fresh_reward": float("nan"), "skipped": 0}
+    if cfg.resume:
+        path = latest_checkpoint(cfg.resume)
+        state = load_checkpoint(path, policy, ref, opt, buffer)
+        start = state.pop("step")
+        print(f"resuming from {path} at step {start}")
+    acc_before = run_eval(cfg, policy, tokenizer, task, start, tqdm.write)
+    metrics_file = open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a" if cfg.resume else "w")
+    rng_state = torch.get_rng_state()  # the searcher processes below must not shift the trainer's random stream
+    rollout = (SyncRollout(cfg, task, policy, ref, tokenizer) if cfg.sync else
+               AsyncRollout(cfg, task, policy, ref, seed_offset=start))
+    torch.set_rng_state(rng_state)
+    if "rollout" in state:
+        rollout.load_state_dict(state.pop("rollout"))
+        rollout.publish_ref(ref, state["ref_version"])
+    meter, nonfinite_run = Meter(), 0
+
+    def checkpoint(step):
+        if not (weights_finite(policy) and weights_finite(ref)):
+            raise NonFiniteError("non-finite weights: no checkpoint written")
+        save_checkpoint(cfg.run_dir, step, policy, ref, opt, buffer, {**state, "rollout": rollout.state_dict(),
+                                                                      "config": dataclasses.asdict(cfg)})
+
     try:
-        for step in tqdm(range(cfg.steps), desc="train", dynamic_ncols=True):
-            t_step = time.time()
-            rollout.check_alive()
-            if step == 1:
-                meter.restart(rollout.received)
-            t_merge = time.time()
-            if step % rollout.period == 0:  # merge
-                fresh = rollout.merge(buffer, step)
-                fresh_reward = float(np.mean([t.reward for t in fresh])) if fresh else fresh_reward
-                searcher_version = max([t.policy_version for t in fresh], default=searcher_version)
-            if cfg.ref_reset_every and step > 0 and step % cfg.ref_reset_every == 0:  # TBA': reset the reference
-                ref.load_state_dict(policy.state_dict())
-                ref_version = step
-                rollout.publish_ref(ref, ref_version)
-            t_busy = time.time()
-            merge_s = t_busy - t_merge
-            groups = rollout.sample(buffer)  # sample
-            beta = beta_schedule(step, cfg.beta_start, cfg.beta_end, cfg.beta_decay_steps, cfg.beta_stop_step)
-            lr = cfg.lr * wsd_lr_multiplier(step, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            m = train_step(cfg, policy, ref, opt, groups, prompt_ids, tokenizer.pad_token_id, beta, ref_version)  # loss, step
-            train_s = time.time() - t_busy
-            meter.busy += train_s
-            m.update({"step": step, "sched/beta": beta, "sched/lr": lr, "reward/fresh": fresh_reward,
-                      "buffer/size": len(buffer), "buffer/queries": buffer.num_queries,
-                      "buffer/latest": sum(len(v) for v in buffer.latest.values()), "ref/version": ref_version,
-                      "searcher/version": searcher_version, **staleness_stats(groups, step, buffer),
-                      **meter.rates(rollout.received, started=step >= 1), "time/step": time.time() - t_step,
-                      "time/merge": merge_s, "time/train": train_s, "time/elapsed": meter.elapsed()})
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                t_eval = time.time()
-                m["eval/accuracy"] = run_eval(cfg, policy, tokenizer, task, step + 1, tqdm.write)
-                meter.eval += time.time() - t_eval
-            metrics_file.write(json.dumps(m) + "\n")  # log
-            metrics_file.flush()
-            if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                tqdm.write(format_line(m))
-            if (step + 1) % rollout.period == 0:  # sync
-                rollout.publish(policy, step + 1)
+        with Stop() as stop:
+            rollout.stop = stop
+            for step in tqdm(range(start, cfg.steps), desc="train", dynamic_ncols=True, initial=start, total=cfg.steps):
+                if stop.requested:  # Ctrl-C: a clean stop at a step boundary, with a checkpoint
+                    checkpoint(step)
+                    raise KeyboardInterrupt
+                t_step = time.time()
+                rollout.check_alive()
+                if step == start + 1:
+                    meter.restart(rollout.received)
+                if step > start and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    checkpoint(step)
+                if step % rollout.period == 0 or step == start:  # merge
+                    fresh = rollout.merge(buffer, step)
+                    state["fresh_reward"] = float(np.mean([t.reward for t in fresh])) if fresh else state["fresh_reward"]
+                    state["searcher_version"] = max([t.policy_version for t in fresh], default=state["searcher_version"])
+                if cfg.ref_reset_every and step > 0 and step % cfg.ref_reset_every == 0:  # TBA': reset the reference
+                    ref.load_state_dict(policy.state_dict())
+                    state["ref_version"] = step
+                    rollout.publish_ref(ref, step)
+                t_busy = time.time()
+                merge_s = t_busy - t_step
+                groups = rollout.sample(buffer)  # sample
+                beta = beta_schedule(step, cfg.beta_start, cfg.beta_end, cfg.beta_decay_steps, cfg.beta_stop_step)
+                lr = cfg.lr * wsd_lr_multiplier(step, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                m = train_step(cfg, policy, ref, opt, groups, prompt_ids, tokenizer.pad_token_id, beta, state["ref_version"])  # loss, step
+                train_s = time.time() - t_busy
+                meter.busy += train_s
+                nonfinite_run = nonfinite_run + 1 if m["grad/skipped"] else 0
+                state["skipped"] += m["grad/skipped"]
+                if nonfinite_run >= cfg.max_nonfinite_steps:
+                    raise NonFiniteError(f"{nonfinite_run} steps in a row had a non-finite loss or gradient (step {step}); "
+                                         f"stopping (--max-nonfinite-steps {cfg.max_nonfinite_steps})")
+                m.update({"step": step, "sched/beta": beta, "sched/lr": lr, "reward/fresh": state["fresh_reward"],
+                          "grad/skipped_total": state["skipped"], "buffer/size": len(buffer),
+                          "buffer/queries": buffer.num_queries, "buffer/latest": sum(len(v) for v in buffer.latest.values()),
+                          "ref/version": state["ref_version"], "searcher/version": state["searcher_version"],
+                          "searcher/restarts": rollout.restarts, **staleness_stats(groups, step, buffer),
+                          **meter.rates(rollout.received, started=step > start), "time/step": time.time() - t_step,
+                          "time/merge": merge_s, "time/train": train_s, "time/elapsed": meter.elapsed()})
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                    t_eval = time.time()
+                    m["eval/accuracy"] = run_eval(cfg, policy, tokenizer, task, step + 1, tqdm.write)
+                    meter.eval += time.time() - t_eval
+                metrics_file.write(json.dumps(m) + "\n")  # log
+                metrics_file.flush()
+                if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                    tqdm.write(format_line(m))
+                if (step + 1) % rollout.period == 0:  # sync
+                    if not weights_finite(policy):
+                        raise NonFiniteError(f"non-finite weights after step {step}: not publishing them")
+                    rollout.publish(policy, step + 1)
+        checkpoint(cfg.steps)
+    except SearcherDied:
+        checkpoint(step)  # the step had not started: the state is consistent
+        raise
     finally:
         rollout.close()
         metrics_file.close()

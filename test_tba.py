@@ -360,10 +360,15 @@ def _alive(pid):
     return bool(state) and not state.startswith("Z")
 
 
+def _popen(args):
+    """A run in its own process group, unbuffered, with Ctrl-C enabled even if this shell ignores SIGINT."""
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
 def _start_and_wait_for_training(tmp_path, cache_dir):
-    proc = subprocess.Popen(tiny_args(tmp_path, cache_dir, "--steps", "100000"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "100000"))
     watchdog = threading.Timer(150, proc.kill)  # never hang the suite
     watchdog.start()
     for line in proc.stdout:  # the first metrics line: searchers are up and the trainer is stepping
@@ -546,3 +551,159 @@ def test_paper_preset_dry_run_prints_paper_values():
             "initial_completions": "500", "steps": "700"}
     assert {k: values[k].strip() for k in want} == want
     assert "process-to-device plan" in out.stdout and "searcher-2" in out.stdout
+
+
+# -----------------------------------------------------------------------------
+# Runs that survive: checkpoints, resume, searcher failures, non-finite steps, bad input
+
+def _final_weights(run_dir):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(run_dir, "final", "model.safetensors"))
+
+
+def test_resume_in_sync_mode_reproduces_the_uninterrupted_run(tmp_path, cache_dir):
+    common = ["--sync", "--trainer-threads", "1", "--eval-every", "0", "--lr", "1e-4"]
+    straight = subprocess.run(tiny_args(tmp_path / "a", cache_dir, "--steps", "20", *common),
+                              capture_output=True, text=True, timeout=180)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = subprocess.run(tiny_args(tmp_path / "b", cache_dir, "--steps", "10", *common),
+                           capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert open(tmp_path / "b" / "run" / "checkpoints" / "latest").read().strip() == "step-000010"
+    resumed = subprocess.run(tiny_args(tmp_path / "b", cache_dir, "--steps", "20", *common,
+                                       "--resume", str(tmp_path / "b" / "run")),
+                             capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "at step 10" in resumed.stdout
+    a, b = _final_weights(tmp_path / "a" / "run"), _final_weights(tmp_path / "b" / "run")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"resumed run differs from the straight run by {worst}"
+    moved = max((a[k] - _final_weights_of_sft(tmp_path / "a")[k]).abs().max().item() for k in a)
+    assert moved > 1e-4, "the runs should have changed the weights at all"
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "b" / "run" / "metrics.jsonl")]
+    assert steps == list(range(20)), "metrics.jsonl continues across the resume"
+
+
+def _final_weights_of_sft(run_root):
+    from safetensors.torch import load_file
+    model = json.load(open(run_root / "run" / "config.json"))["model"]
+    return load_file(os.path.join(model, "model.safetensors"))
+
+
+def test_checkpoint_files_load_without_pickle(tmp_path, cache_dir):
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "6", "--checkpoint-every", "3", "--sync"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(root)) == ["latest", "step-000006"], "older checkpoints are removed"
+    ckpt = root / "step-000006"
+    torch.load(ckpt / "optimizer.pt", weights_only=True)
+    torch.load(ckpt / "rng.pt", weights_only=True)
+    state = json.load(open(ckpt / "state.json"))
+    assert state["step"] == 6 and json.load(open(ckpt / "buffer.json"))["items"]
+    assert os.path.isfile(ckpt / "policy" / "model.safetensors") and os.path.isfile(ckpt / "ref" / "model.safetensors")
+
+
+@pytest.mark.parametrize("policy", ["restart", "abort"])
+def test_killed_searcher_restart_or_abort(tmp_path, cache_dir, policy):
+    args = tiny_args(tmp_path, cache_dir, "--steps", "100000", "--on-searcher-failure", policy, "--num-searchers", "2")
+    proc = _popen(args)
+    watchdog = threading.Timer(150, proc.kill)
+    watchdog.start()
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"step\s+\d+ \| loss", line):
+            break
+    searchers = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert len(searchers) == 2
+    os.kill(searchers[0], signal.SIGKILL)
+    if policy == "abort":
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "searcher-0" in rest and "died with exit code -9" in rest
+    else:
+        for line in proc.stdout:  # the run goes on: wait for the restart and a few more steps
+            lines.append(line)
+            if "restarting it (1/3)" in line:
+                break
+        steps_after = 0
+        for line in proc.stdout:
+            if re.search(r"step\s+\d+ \| loss", line):
+                steps_after += 1
+                if steps_after == 3:
+                    break
+        assert steps_after == 3, "the run should continue after the restart"
+        new = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert len(new) == 2 and searchers[0] not in new
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+        searchers = searchers + new
+    watchdog.cancel()
+    time.sleep(0.5)
+    assert not [p for p in searchers if _alive(p)], "processes outlived the run"
+
+
+def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
+    import dataclasses as dc
+    import run_gsm8k
+    import tba
+    cfg, _ = tba.parse_config(run_gsm8k.GSM8KConfig, {"tiny": run_gsm8k.TINY}, [
+        "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(tmp_path / "run"), "--sync",
+        "--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-steps", "20", "--eval-size", "4",
+        "--max-new-tokens", "8", "--steps", "50", "--max-nonfinite-steps", "3"], default_preset="tiny")
+    task = run_gsm8k.tiny_task_and_model(cfg)
+    before = _sft_tensors(cfg.model)
+    with pytest.raises(tba.NonFiniteError, match="3 steps in a row"):
+        tba.train(cfg, dc.replace(task, reward=_nan_reward))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["grad/skipped"] for r in rows] == [1, 1], "the two logged steps were skipped"
+    assert not os.path.exists(tmp_path / "run" / "checkpoints"), "no checkpoint written from a failing run"
+    assert before.keys() and all(torch.isfinite(t).all() for t in before.values())
+
+
+def _nan_reward(completion, answer):
+    return float("nan")
+
+
+def _sft_tensors(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_unwritable_run_dir_is_an_error_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--run-dir", str(blocker / "run")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--run-dir" in out.stderr and "not writable" in out.stderr
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--resume", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no checkpoint there" in out.stderr
+
+
+def test_tokenizer_without_pad_or_eos(tmp_path):
+    from searcher import load_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+    tokenizer = _bpe_tokenizer("gpt_neox", ["one two three four five six seven"] * 20)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "m")
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "m")
+    _, loaded = load_model(str(tmp_path / "m"))
+    assert loaded.pad_token_id == loaded.eos_token_id, "no pad token: EOS pads (padding is masked anyway)"
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="has no EOS token"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_long_prompts_are_skipped_and_counted(capsys):
+    from rewards import gsm8k_task
+    from tba import ConfigError, drop_long_prompts
+    tokenizer = _bpe_tokenizer("gpt_neox", ["short words and a much longer question here"] * 20)
+    rows = [{"question": q, "answer": "#### 1"} for q in ("short", "a much longer question here " * 20, "words")]
+    task = drop_long_prompts(gsm8k_task(rows, rows), tokenizer, max_tokens=40)
+    assert len(task.prompts) == 2 and len(task.answers) == 2 and len(task.eval_prompts) == 2
+    assert "skipped 1 of 3 training" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="leaves no training"):
+        drop_long_prompts(gsm8k_task(rows, rows), tokenizer, max_tokens=2)
