@@ -15,6 +15,8 @@ What resuming reproduces: in --sync mode with a fixed seed, a resumed run takes 
 uninterrupted one (same weights to float rounding; the tests check 1e-6). With searcher processes, the
 trainer, optimiser, schedules and buffer are restored exactly, but the searchers restart with fresh
 random streams and whatever timing the machine gives them, so the data they produce afterwards differs.
+
+Run: python run_gsm8k.py --checkpoint-every 50, then the same command with --resume runs/gsm8k-tiny.
 """
 
 import json

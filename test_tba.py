@@ -548,7 +548,7 @@ def test_paper_preset_dry_run_prints_paper_values():
             "decay_steps": "600", "temperature": "0.7", "max_new_tokens": "512", "batch_size": "140",
             "responses_per_query": "20", "samples_per_prompt": "24", "m": "0.95", "sync_every": "2",
             "beta_start": "0.014", "beta_end": "0.004", "beta_decay_steps": "500", "num_searchers": "3",
-            "initial_completions": "500", "steps": "700"}
+            "initial_completions": "500", "steps": "700", "max_prompt_tokens": "512"}
     assert {k: values[k].strip() for k in want} == want
     assert "process-to-device plan" in out.stdout and "searcher-2" in out.stdout
 
@@ -707,3 +707,16 @@ def test_long_prompts_are_skipped_and_counted(capsys):
     assert "skipped 1 of 3 training" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="leaves no training"):
         drop_long_prompts(gsm8k_task(rows, rows), tokenizer, max_tokens=2)
+
+
+def test_gsm8k_download_error_when_offline(tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+    from rewards import gsm8k_path
+
+    def offline(url, filename):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(urllib.request, "urlretrieve", offline)
+    with pytest.raises(RuntimeError, match="could not download GSM8K train .*pass --data-dir"):
+        gsm8k_path("train", "", str(tmp_path))
+    assert gsm8k_path("test", "/some/dir", str(tmp_path)) == "/some/dir/test.jsonl", "--data-dir wins, no download"

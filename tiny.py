@@ -1,24 +1,24 @@
 """
-The offline tiny preset: a synthetic GSM8K-format task, a word-level tokenizer, a ~1M-parameter Llama,
+The offline tiny preset: a synthetic GSM8K-format task, a word-level tokenizer, a 0.45M-parameter Llama,
 and the supervised warm start (SFT) that plays the role of the paper's RhoMath-1B SFT checkpoint.
 
 Everything is built from a seed on the machine, so the quick start needs no download. The model and
 tokenizer are ordinary transformers objects (LlamaForCausalLM, PreTrainedTokenizerFast) saved with
 `save_pretrained`, and the RL code loads them back with `from_pretrained`, exactly as it loads a hub model.
 
-The task. Word problems with a few additions and subtractions of small numbers, in GSM8K's format:
-    question: "Mia has 7 apples . Mia finds 12 more apples . Mia loses 5 apples . How many apples does
-               Mia have now ?"
-    answer:   "7 + 12 = 19 . 19 - 5 = 14 .\\n#### 14"
+The task. Word problems with five additions and subtractions of small numbers, in GSM8K's format:
+    question: "Amy has 3 cups . Amy finds 5 more cups . Amy loses 6 cups . ... How many cups does Amy have now ?"
+    answer:   "3 + 5 = 8 . 8 - 6 = 2 . ... 17 + 1 = 18 .\\n#### 18"
 graded by the same `gsm8k_reward` as real GSM8K (last number == gold number after ####).
 
 The warm start is deliberately imperfect, in a way RL can fix. The SFT "teacher" writes the worked
-solution above only some of the time (`tiny_sft_worked_frac`) and otherwise just the bare answer
-"#### 14". A small model cannot do several operations in its head, so bare answers are often wrong;
-worked solutions are mostly right. After SFT the policy usually skips the work (greedy decoding always
-does), which gives a modest start. Reward-driven training then shifts probability towards showing the
-work, and greedy accuracy rises: RL improves the policy by reweighting behaviours the SFT model already
-has, which is what KL-regularised RL (and TB's target pi_ref * exp(r/beta)) is about.
+solution above only some of the time (`tiny_sft_worked_frac`) and otherwise just a bare answer
+"#### 18", which is itself right only `tiny_sft_guess_acc` of the time. A small model cannot do five
+operations in its head, so bare answers are often wrong; worked solutions are mostly right. After SFT the
+policy usually skips the work (greedy decoding always does), which gives a modest start (about 19% on
+held-out problems). Reward-driven training then shifts probability towards showing the work, and greedy
+accuracy rises: RL improves the policy by reweighting behaviours the SFT model already has, which is what
+KL-regularised RL (and TB's target pi_ref * exp(r/beta)) is about.
 
 This is a teaching stand-in, not GSM8K: it exercises every part of TBA (processes, buffer, loss, sync,
 reference) at a size a laptop CPU trains in minutes; it says nothing about how large models reason.
@@ -202,12 +202,11 @@ def warm_start(cache_dir, seed, train_rows, max_number, hidden, layers, heads, m
 
 if __name__ == "__main__":
     import tempfile
-    from rewards import gsm8k_task
+    from run_gsm8k import TINY, GSM8KConfig, tiny_task_and_model
     from searcher import HFGenerator, evaluate, load_model
-    rows = make_dataset(20000, 0, 9, 9, 5)
-    held_out = make_dataset(500, 1, 9, 9, 5, exclude={r["question"] for r in rows})
-    path = warm_start(tempfile.mkdtemp(), 0, rows, 54, 96, 3, 4, 256, 600, 64, 3e-3, 0.4, 0.5)
-    model, tok = load_model(path)
-    task = gsm8k_task(rows, held_out, "tiny")
-    acc, sample = evaluate(HFGenerator(model, tok, 48), tok, task.eval_prompts, task.eval_answers, task.reward, 100)
-    print(f"greedy accuracy after SFT: {100 * acc:.1f}% (e.g. {sample!r})")
+    cfg = GSM8KConfig(**{**TINY, "cache_dir": tempfile.mkdtemp()})  # the tiny preset's settings, a fresh cache
+    task = tiny_task_and_model(cfg)
+    model, tok = load_model(cfg.model)
+    gen = HFGenerator(model, tok, cfg.max_new_tokens)
+    acc, sample = evaluate(gen, tok, task.eval_prompts, task.eval_answers, task.reward, cfg.eval_batch_size)
+    print(f"greedy accuracy after SFT: {100 * acc:.1f}% on {len(task.eval_prompts)} held-out problems (e.g. {sample!r})")
