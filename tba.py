@@ -20,14 +20,16 @@ reference that computed it; the trainer recomputes it for any trajectory whose r
 reset, so a stale reference log-prob is never used.
 
 Processes. Spawn start method; every child sets its own thread count; every queue read has a timeout;
-the trainer checks its searchers each step and stops the run (non-zero exit, naming the searcher) if one
-died; Ctrl-C or any error stops and joins every child.
+the trainer checks its searchers each step and, if one died, stops the run (non-zero exit, naming the
+searcher) or restarts it (`--on-searcher-failure`); Ctrl-C stops cleanly at the next step boundary with a
+checkpoint (checkpoint.py), and any error stops and joins every child. Non-finite steps are skipped.
 
 Departures from the paper / official code:
   1. One trainer process (the official code supports several trainer GPUs with DeepSpeed).
   2. Searchers never block at a sync (see searcher.py and buffer.py).
   3. Gradient accumulation is over whole queries (`micro_batch_queries`), so each query's log_Z sees all
      K of its responses, exactly as in the full-batch loss.
+  4. Checkpoints with resume, a searcher failure policy and a non-finite guard (the official code has none).
 
 Run: python run_gsm8k.py (this module is the library it calls).
 """
@@ -61,6 +63,7 @@ def knob(default, doc):
 
 @dataclass
 class Config:
+    """Every knob of a TBA run; run_gsm8k.py adds the task's own. Each field is a --flag of the same name."""
     # run
     run_dir: str = knob("runs/gsm8k", "directory for config.json, metrics.jsonl and the final model")
     seed: int = knob(0, "random seed for every process (each searcher offsets it by its rank)")
@@ -115,7 +118,7 @@ class Config:
     capacity_per_query: int = knob(1000, "newest trajectories kept per query")
     queue_size: int = knob(64, "searcher batches the queue holds before searchers wait")
     # surviving long runs
-    checkpoint_every: int = knob(0, "save a checkpoint every this many steps (0: only at the end of the run)")
+    checkpoint_every: int = knob(0, "save a checkpoint every this many steps (always at the end, on Ctrl-C, on abort)")
     resume: str = knob("", "continue the run saved in this run directory, from its latest checkpoint")
     on_searcher_failure: str = knob("abort", "when a searcher dies: abort (exit non-zero) | restart (up to the limit)")
     max_searcher_restarts: int = knob(3, "restarts allowed over the run with --on-searcher-failure restart")
