@@ -42,7 +42,6 @@ import math
 import os
 import queue
 import signal
-import sys
 import time
 import typing
 from dataclasses import dataclass, field
