@@ -556,9 +556,10 @@ def test_paper_preset_dry_run_prints_paper_values():
 # -----------------------------------------------------------------------------
 # Runs that survive: checkpoints, resume, searcher failures, non-finite steps, bad input
 
-def _final_weights(run_dir):
+def _weights(model_dir):
+    """The tensors of a save_pretrained directory."""
     from safetensors.torch import load_file
-    return load_file(os.path.join(run_dir, "final", "model.safetensors"))
+    return load_file(os.path.join(model_dir, "model.safetensors"))
 
 
 def test_resume_in_sync_mode_reproduces_the_uninterrupted_run(tmp_path, cache_dir):
@@ -575,20 +576,15 @@ def test_resume_in_sync_mode_reproduces_the_uninterrupted_run(tmp_path, cache_di
                              capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "at step 10" in resumed.stdout
-    a, b = _final_weights(tmp_path / "a" / "run"), _final_weights(tmp_path / "b" / "run")
+    a, b = _weights(tmp_path / "a" / "run" / "final"), _weights(tmp_path / "b" / "run" / "final")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-6, f"resumed run differs from the straight run by {worst}"
-    moved = max((a[k] - _final_weights_of_sft(tmp_path / "a")[k]).abs().max().item() for k in a)
+    sft = _weights(json.load(open(tmp_path / "a" / "run" / "config.json"))["model"])
+    moved = max((a[k] - sft[k]).abs().max().item() for k in a)
     assert moved > 1e-4, "the runs should have changed the weights at all"
     steps = [json.loads(line)["step"] for line in open(tmp_path / "b" / "run" / "metrics.jsonl")]
     assert steps == list(range(20)), "metrics.jsonl continues across the resume"
-
-
-def _final_weights_of_sft(run_root):
-    from safetensors.torch import load_file
-    model = json.load(open(run_root / "run" / "config.json"))["model"]
-    return load_file(os.path.join(model, "model.safetensors"))
 
 
 def test_checkpoint_files_load_without_pickle(tmp_path, cache_dir):
@@ -653,7 +649,7 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
         "--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-steps", "20", "--eval-size", "4",
         "--max-new-tokens", "8", "--steps", "50", "--max-nonfinite-steps", "3"], default_preset="tiny")
     task = run_gsm8k.tiny_task_and_model(cfg)
-    before = _sft_tensors(cfg.model)
+    before = _weights(cfg.model)
     with pytest.raises(tba.NonFiniteError, match="3 steps in a row"):
         tba.train(cfg, dc.replace(task, reward=_nan_reward))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -664,11 +660,6 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
 
 def _nan_reward(completion, answer):
     return float("nan")
-
-
-def _sft_tensors(path):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(path, "model.safetensors"))
 
 
 def test_unwritable_run_dir_is_an_error_before_training(tmp_path):
