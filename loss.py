@@ -38,6 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from config import OBJECTIVES
+
 
 # -----------------------------------------------------------------------------
 # Trajectory balance
@@ -170,7 +172,9 @@ def dr_grpo_loss(logp, behavior_logp, reward, clip_eps=0.2):
     return grpo_loss(logp, behavior_logp, reward, clip_eps=clip_eps, num_tokens=None, std_normalise=False)
 
 
-OBJECTIVES = ("tb", "rloo", "grpo", "dr_grpo")
+# what each objective reads besides logp and reward: searchers compute only these (searcher.py)
+OBJECTIVE_INPUTS = {"tb": ("ref_logp",), "rloo": ("ref_logp",), "grpo": ("behavior_logp",), "dr_grpo": ("behavior_logp",)}
+assert tuple(OBJECTIVE_INPUTS) == OBJECTIVES, "config.OBJECTIVES lists the objectives implemented here"
 
 
 def objective_loss(name, logp, ref_logp, behavior_logp, reward, beta, num_tokens):

@@ -1,5 +1,9 @@
 """
-Tasks' data and rewards. Training reward and evaluation call the same functions.
+The Task interface, and GSM8K: data, prompt format, reward. Training reward and evaluation share a scorer.
+
+A task (class `Task` below) owns its prompts, its scorer and its evaluation. GSM8K implements it here;
+TL;DR and red-teaming implement it in their own modules. The trainer and the searchers see only this
+interface.
 
 GSM8K (Cobbe et al. 2021; official files openai/grade-school-math, MIT licence). A row is
     {"question": "Janet's ducks lay 16 eggs per day. ...",
@@ -23,6 +27,7 @@ Known failure cases, kept on purpose because they are what the grader we mirror 
 Run `python rewards.py PATH/test.jsonl` to grade the gold solutions against themselves (all must pass).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -31,7 +36,8 @@ import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable
+
+from config import ConfigError
 
 GSM8K_PROMPT = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -65,7 +71,7 @@ def gsm8k_reward(completion, answer_field):
 def load_gsm8k(path):
     """Rows of a GSM8K-format jsonl file as a list of {"question", "answer"} dicts; errors name file:line."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"GSM8K file not found: {path}")
+        raise ConfigError(f"GSM8K file not found: {path}")
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -74,16 +80,16 @@ def load_gsm8k(path):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-                raise ValueError(f"{path}:{lineno}: a GSM8K row needs string fields 'question' and 'answer'")
+                raise ConfigError(f"{path}:{lineno}: a GSM8K row needs string fields 'question' and 'answer'")
             try:
                 gold_answer(row["answer"])
             except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from None
+                raise ConfigError(f"{path}:{lineno}: {e}") from None
             rows.append({"question": row["question"], "answer": row["answer"]})
     if not rows:
-        raise ValueError(f"{path}: no GSM8K rows")
+        raise ConfigError(f"{path}: no GSM8K rows")
     return rows
 
 
@@ -105,26 +111,86 @@ def gsm8k_path(split, data_dir, cache_dir):
         try:
             urllib.request.urlretrieve(url, path + ".tmp")
         except (urllib.error.URLError, OSError) as e:
-            raise RuntimeError(f"could not download GSM8K {split} from {url} ({e}); offline? pass --data-dir "
+            raise ConfigError(f"could not download GSM8K {split} from {url} ({e}); offline? pass --data-dir "
                                f"with train.jsonl and test.jsonl from github.com/openai/grade-school-math") from None
         os.replace(path + ".tmp", path)
     return path
 
 
+# -----------------------------------------------------------------------------
+# The Task interface: what the trainer and the searchers know about a task
+
 @dataclass
 class Task:
-    """What the trainer and searchers need to know about a task; plain data, so it pickles to children."""
-    name: str
-    prompts: list  # training prompts (str), indexed by Trajectory.query_id
-    answers: list  # what reward() compares a completion with, one per prompt
-    eval_prompts: list  # held-out prompts for greedy evaluation
-    eval_answers: list
-    reward: Callable  # reward(completion, answer) -> float; a module-level function
+    """
+    A task, as the trainer and the searchers see it. Subclasses fill in `make_scorer` and `evaluate`.
+
+      prompts, metas            training prompts (str) and their metadata (dict each: answer, reference, ...),
+                                indexed by Trajectory.query_id
+      eval_prompts, eval_metas  held-out prompts for evaluation, likewise
+      headline                  the eval metric of the run's closing line (a fraction, printed as a percentage)
+      make_scorer(device)       called once in each process that scores (every searcher; the trainer for
+                                --sync and evaluation): loads whatever the reward needs and returns a batched
+                                score(prompts, completions, metas) -> list[float], completions being texts
+      evaluate(policy, n)       every eval metric of `policy` (a searcher.Policy: generate and score
+                                log-probs) on the first n held-out prompts, as a dict of numbers; the dict may
+                                also hold an "example" completion (a string) for the log
+
+    A Task travels to the searcher processes as plain data: models are loaded by make_scorer (or by
+    evaluate) in the process that uses them, never at import time, and attributes whose name starts with
+    an underscore (models loaded for evaluation, say) are never pickled.
+    """
+    prompts: list
+    metas: list
+    eval_prompts: list
+    eval_metas: list
+    name = "task"
+    headline = "accuracy"
+
+    def make_scorer(self, device="cpu"):
+        raise NotImplementedError
+
+    def evaluate(self, policy, n):
+        raise NotImplementedError
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def select(self, train_ids, eval_ids):
+        """A copy holding only the given training and held-out prompts (e.g. without over-long ones)."""
+        pick = lambda xs, ids: [xs[i] for i in ids]
+        return dataclasses.replace(self, prompts=pick(self.prompts, train_ids), metas=pick(self.metas, train_ids),
+                                   eval_prompts=pick(self.eval_prompts, eval_ids), eval_metas=pick(self.eval_metas, eval_ids))
 
 
-def gsm8k_task(train_rows, eval_rows, name="gsm8k"):
-    return Task(name, [gsm8k_prompt(r["question"]) for r in train_rows], [r["answer"] for r in train_rows],
-                [gsm8k_prompt(r["question"]) for r in eval_rows], [r["answer"] for r in eval_rows], gsm8k_reward)
+def gsm8k_score(prompts, completions, metas):
+    """The batched GSM8K scorer: gsm8k_reward of each completion against its prompt's answer field."""
+    return [gsm8k_reward(c, m["answer"]) for c, m in zip(completions, metas)]
+
+
+@dataclass
+class GSM8KTask(Task):
+    """GSM8K: reward 1 for the right final number; evaluation is greedy pass@1 with the same scorer."""
+    name = "gsm8k"
+    headline = "accuracy"
+
+    @classmethod
+    def from_rows(cls, train_rows, eval_rows):
+        """From GSM8K rows ({"question", "answer"}), in the official TBA prompt format."""
+        prompts = lambda rows: [gsm8k_prompt(r["question"]) for r in rows]
+        metas = lambda rows: [{"answer": r["answer"]} for r in rows]
+        return cls(prompts(train_rows), metas(train_rows), prompts(eval_rows), metas(eval_rows))
+
+    def make_scorer(self, device="cpu"):
+        return gsm8k_score  # a pure function: nothing to load
+
+    def evaluate(self, policy, n):
+        prompts, metas = self.eval_prompts[:n], self.eval_metas[:n]
+        completions = policy.generate(prompts, greedy=True)
+        rewards = gsm8k_score(prompts, [c.text for c in completions], metas)
+        return {"accuracy": sum(rewards) / len(rewards),
+                "response_tokens": sum(len(c.token_ids) for c in completions) / len(completions),
+                "example": completions[0].text}
 
 
 if __name__ == "__main__":

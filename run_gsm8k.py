@@ -1,29 +1,38 @@
 """
-GSM8K with TBA: `python run_gsm8k.py` (tiny offline preset on a CPU) or `--preset paper` (GPUs).
+GSM8K with TBA: `python run_gsm8k.py` (the offline tiny preset, a few minutes on 2 CPU cores) or
+`python run_gsm8k.py --preset paper` (the paper's run, on GPUs).
 
 Presets (pick with --preset; every field can still be overridden by its own flag):
-  tiny   the default without CUDA. Builds a word-level tokenizer and a ~0.5M-parameter Llama, SFTs it on a
-         synthetic GSM8K-format task (tiny.py; cached after the first run), then runs TBA with 1 searcher
-         and 1 trainer process on 2 CPU cores.
-  paper  the default with CUDA: the paper's GSM8K run (Table 2, Appendix B.1) with RhoMath-1B SFT; needs
-         GPUs and either internet or --data-dir. `--preset paper --dry-run` prints what it would run where.
+  tiny   (the default) a synthetic GSM8K-format task, a word-level tokenizer and a 0.45M-parameter Llama,
+         SFT'd here as the warm start (cached after the first run), then TBA with 1 searcher and
+         1 trainer process on 2 CPU cores.
+  paper  the paper's GSM8K run (Table 2, Appendix B.1) with RhoMath-1B SFT; needs GPUs and either
+         internet or --data-dir. `--preset paper --dry-run` prints what it would run where.
 
-Output in --run-dir: config.json (the resolved config), metrics.jsonl (one record per step), final/ (the
-trained policy and tokenizer, save_pretrained format). The last line printed is
-    accuracy: before X% -> after Y%
-for greedy pass@1 on the held-out problems.
+The tiny task. Word problems with five additions and subtractions of small numbers, in GSM8K's format:
+    question: "Amy has 3 cups . Amy finds 5 more cups . Amy loses 6 cups . ... How many cups does Amy have now ?"
+    answer:   "3 + 5 = 8 . 8 - 6 = 2 . ... 17 + 1 = 18 .\\n#### 18"
+graded by the same `gsm8k_reward` as real GSM8K (last number == gold number after ####). The warm start
+is deliberately imperfect, in a way RL can fix: the SFT "teacher" writes the worked solution only some of
+the time (--tiny-sft-worked-frac) and otherwise a bare answer "#### 18", itself right only
+--tiny-sft-guess-acc of the time. A small model cannot do five operations in its head, so after SFT the
+policy mostly skips the work (greedy decoding always does) and starts near 20%; RL shifts probability
+towards showing the work, which KL-regularised RL (TB's target pi_ref * exp(r/beta)) can do because it
+reweights behaviours the SFT model already has. It is a teaching stand-in, not GSM8K.
 
-Run:  python run_gsm8k.py                  # tiny preset, a few minutes on 2 CPU cores
+Output in --run-dir: config.json (the resolved config), metrics.jsonl (one record per step),
+result.json (the eval metrics before and after), final/ (the trained policy and tokenizer). The last line
+printed is `accuracy: before X% -> after Y%`, greedy pass@1 on the held-out problems.
+
+Run:  python run_gsm8k.py                  # tiny preset
       python run_gsm8k.py --steps 50       # any field of the config is a flag; --help lists them
 """
 
-import dataclasses
-import os
+import random
 import sys
 from dataclasses import dataclass
 
-from tba import (Config, ConfigError, NonFiniteError, SearcherDied, device_plan, knob, parse_config, print_config,
-                 resolve_devices, save_config, train, validate)
+from config import Config, knob, main
 
 TINY = dict(
     run_dir="runs/gsm8k-tiny", steps=300, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
@@ -64,9 +73,8 @@ class GSM8KConfig(Config):
     tiny_max_start: int = knob(9, "tiny: largest starting amount in a problem")
     tiny_max_step: int = knob(9, "tiny: largest amount added or removed per operation")
     tiny_num_ops: int = knob(5, "tiny: operations per problem")
-    tiny_hidden: int = knob(96, "tiny: model width")
+    tiny_hidden: int = knob(96, "tiny: model width (attention heads of 32 dimensions)")
     tiny_layers: int = knob(3, "tiny: transformer layers")
-    tiny_heads: int = knob(4, "tiny: attention heads")
     tiny_sft_steps: int = knob(600, "tiny: SFT warm-start steps")
     tiny_sft_batch: int = knob(64, "tiny: SFT batch size")
     tiny_sft_lr: float = knob(3e-3, "tiny: SFT peak learning rate")
@@ -74,78 +82,106 @@ class GSM8KConfig(Config):
     tiny_sft_guess_acc: float = knob(0.5, "tiny: how often the SFT teacher's bare answers are right")
 
 
-def tiny_task_and_model(cfg):
-    """The synthetic task, and the SFT warm start as the policy unless --model was given."""
-    from rewards import gsm8k_task
-    from tiny import make_dataset, warm_start
+def make_task(cfg, preset):
+    """The GSM8K task for this preset; for tiny, also the SFT warm start as the policy unless --model is set."""
+    from rewards import GSM8KTask, gsm8k_path, load_gsm8k
+    if preset == "paper":
+        train_rows = load_gsm8k(gsm8k_path("train", cfg.data_dir, cfg.cache_dir))
+        return GSM8KTask.from_rows(train_rows, load_gsm8k(gsm8k_path("test", cfg.data_dir, cfg.cache_dir)))
     shape = (cfg.tiny_max_start, cfg.tiny_max_step, cfg.tiny_num_ops)
     train_rows = make_dataset(cfg.tiny_train_size, cfg.seed, *shape)
     eval_rows = make_dataset(cfg.tiny_eval_size, cfg.seed + 1, *shape, exclude={r["question"] for r in train_rows})
     if not cfg.model:
-        cfg.model = warm_start(cfg.cache_dir, cfg.seed, train_rows, cfg.tiny_max_start + cfg.tiny_num_ops * cfg.tiny_max_step,
-                               cfg.tiny_hidden, cfg.tiny_layers, cfg.tiny_heads, 256, cfg.tiny_sft_steps,
-                               cfg.tiny_sft_batch, cfg.tiny_sft_lr, cfg.tiny_sft_worked_frac, cfg.tiny_sft_guess_acc)
-    return gsm8k_task(train_rows, eval_rows, "gsm8k-tiny")
+        cfg.model = warm_start(cfg, train_rows)
+    return GSM8KTask.from_rows(train_rows, eval_rows)
 
 
-def paper_task(cfg):
-    from rewards import gsm8k_path, gsm8k_task, load_gsm8k
-    train_rows = load_gsm8k(gsm8k_path("train", cfg.data_dir, cfg.cache_dir))
-    test_rows = load_gsm8k(gsm8k_path("test", cfg.data_dir, cfg.cache_dir))
-    return gsm8k_task(train_rows, test_rows)
+# -----------------------------------------------------------------------------
+# The tiny preset: synthetic problems and the SFT warm start
+
+NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ivy", "Ben", "Amy", "Tom", "Eva", "Dan"]
+OBJECTS = ["apples", "pens", "coins", "books", "cards", "shells", "stamps", "marbles", "eggs", "cups"]
+GAINS = [("finds", "more"), ("buys", "more"), ("gets", "more"), ("picks", "more")]
+LOSSES = ["loses", "gives away", "sells", "eats"]
+TEMPLATE_WORDS = "[ MATH TASK ] Problem : Solution has How many does have now ? . + - = ####".split()
 
 
-def check_run_dir(cfg):
-    """Unwritable --run-dir or a --resume without a checkpoint: errors before any data or model work."""
-    from checkpoint import latest_checkpoint
-    try:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        probe = os.path.join(cfg.run_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--run-dir {cfg.run_dir} is not writable ({e.strerror})") from None
-    if cfg.resume:
-        try:
-            latest_checkpoint(cfg.resume)
-        except FileNotFoundError as e:
-            raise ConfigError(str(e)) from None
+def make_problem(rng, max_start, max_step, num_ops):
+    """One problem as a GSM8K row with its worked solution; values stay in [0, max_start + num_ops * max_step]."""
+    name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
+    value = rng.randint(1, max_start)
+    sentences, steps = [f"{name} has {value} {obj} ."], []
+    for _ in range(num_ops):
+        amount = rng.randint(1, max_step)
+        if rng.random() < 0.5 and value - amount >= 0:
+            sentences.append(f"{name} {rng.choice(LOSSES)} {amount} {obj} .")
+            steps.append(f"{value} - {amount} = {value - amount} .")
+            value -= amount
+        else:
+            verb, more = rng.choice(GAINS)
+            sentences.append(f"{name} {verb} {amount} {more} {obj} .")
+            steps.append(f"{value} + {amount} = {value + amount} .")
+            value += amount
+    question = " ".join(sentences) + f" How many {obj} does {name} have now ?"
+    return {"question": question, "answer": " ".join(steps) + f"\n#### {value}"}
 
 
-def main(argv=None):
-    import torch
-    default = "paper" if torch.cuda.is_available() else "tiny"
-    cfg, preset = parse_config(GSM8KConfig, {"tiny": TINY, "paper": PAPER}, argv, default_preset=default)
-    unresolved = dataclasses.replace(cfg)
-    resolve_devices(cfg, torch.cuda.device_count())
-    validate(dataclasses.replace(cfg, model=cfg.model or "tiny warm start"))  # fail fast, before any work
-    if cfg.dry_run:
-        print_config(cfg, preset)
-        print("\n".join(["", "process-to-device plan:", *device_plan(cfg)]))
-        if not torch.cuda.device_count():
-            backend = "vllm" if unresolved.backend == "auto" else unresolved.backend
-            four = resolve_devices(dataclasses.replace(unresolved, backend=backend), num_gpus=4)
-            print("\n".join(["", "no CUDA device is visible; with 4 GPUs (and vLLM installed) the plan would be:",
-                             *device_plan(four)]))
-        return 0
-    check_run_dir(cfg)
-    task = tiny_task_and_model(cfg) if preset == "tiny" else paper_task(cfg)
-    save_config(cfg, preset)
-    try:
-        train(cfg, task)
-    except (SearcherDied, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: all processes stopped", file=sys.stderr)
-        return 130
-    return 0
+def make_dataset(n, seed, max_start, max_step, num_ops, exclude=()):
+    """n distinct problems from a seed, none of whose questions is in `exclude`."""
+    rng, seen, rows = random.Random(seed), set(exclude), []
+    while len(rows) < n:
+        row = make_problem(rng, max_start, max_step, num_ops)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
+    return rows
+
+
+def sft_examples(rows, worked_frac, guess_acc, seed):
+    """The SFT teacher's (prompt, completion) pairs: the worked solution with probability worked_frac, else a
+    bare answer "#### N" that is right only with probability guess_acc."""
+    from rewards import gsm8k_prompt
+    rng, out = random.Random(seed), []
+    for r in rows:
+        completion = r["answer"]
+        if rng.random() >= worked_frac:
+            value = int(r["answer"].split("####")[-1])
+            if rng.random() >= guess_acc:
+                value = max(0, value + rng.choice([-3, -2, -1, 1, 2, 3]))
+            completion = f"#### {value}"
+        out.append((gsm8k_prompt(r["question"]), completion))
+    return out
+
+
+def warm_start(cfg, train_rows):
+    """Path of the SFT'd tiny policy for these settings (trained once, then reused from --cache-dir)."""
+    import tiny
+    max_number = cfg.tiny_max_start + cfg.tiny_num_ops * cfg.tiny_max_step
+    settings = dict(seed=cfg.seed, n=len(train_rows), first=train_rows[0]["question"], max_number=max_number,
+                    hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, sft_steps=cfg.tiny_sft_steps,
+                    sft_batch=cfg.tiny_sft_batch, sft_lr=cfg.tiny_sft_lr, worked_frac=cfg.tiny_sft_worked_frac,
+                    guess_acc=cfg.tiny_sft_guess_acc, version=2)
+
+    def build(path):
+        words = TEMPLATE_WORDS + NAMES + OBJECTS + sorted({w for g in GAINS for w in g} | {w for l in LOSSES for w in l.split()})
+        tokenizer = tiny.word_tokenizer(words + [str(i) for i in range(max_number + 1)])
+        model = tiny.tiny_llama(tokenizer, cfg.tiny_hidden, cfg.tiny_layers, 256, cfg.seed)
+        print(f"tiny preset: SFT of a {tiny.num_params(model) / 1e6:.2f}M-parameter Llama for {cfg.tiny_sft_steps} steps")
+        examples = sft_examples(train_rows, cfg.tiny_sft_worked_frac, cfg.tiny_sft_guess_acc, cfg.seed)
+        loss = tiny.sft(model, tokenizer, examples, cfg.tiny_sft_steps, cfg.tiny_sft_batch, cfg.tiny_sft_lr, cfg.seed)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return {"params": tiny.num_params(model), "final_loss": loss}
+
+    return tiny.cached(cfg.cache_dir, "gsm8k-tiny-sft", settings, build)
+
+
+PRESETS = {"tiny": TINY, "paper": PAPER}
+
+
+def cli(argv=None):
+    return main(GSM8KConfig, PRESETS, make_task, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cli())

@@ -1,25 +1,26 @@
 """
 SEARCHER side of TBA: generate, score, annotate, and ship trajectories; receive new weights.
 
-A searcher process loops forever (until told to stop):
+A searcher process loops until told to stop:
     1. if the trainer published newer weights (policy or reference), copy them in;
     2. take the next `prompts_per_search` prompts of its own shard of the training set (cycling, reshuffled
        every pass);
     3. generate S = `samples_per_prompt` responses per prompt at the sampling temperature (optionally a
        random temperature per batch, for exploration, as the official code offers);
-    4. score every response with the task's reward, and compute what is cheaper here than on the trainer:
-       the behaviour log-prob (for importance-ratio objectives) and the reference log-prob, tagged with the
-       reference version it came from, so the trainer can recompute it if the reference has since moved;
-    5. put the batch of `Trajectory`s on the queue (with a timeout, re-checking the stop flag).
+    4. score them with the task's scorer (loaded once in this process by `task.make_scorer`), and compute
+       what the objective needs and is cheaper here than on the trainer: the reference log-prob (tagged with
+       the reference version it came from, so the trainer can recompute it if the reference has since
+       moved) and, for importance-ratio objectives only, the behaviour log-prob;
+    5. put the batch of `Trajectory`s on its queue (with a timeout, re-checking the stop flag).
 
-Weights travel through `SharedWeights`: one shared-memory copy of the state dict plus a version counter,
-guarded by a lock. The trainer writes it at every sync; a searcher copies it into its model when the
-version changed. Nothing is pickled per step.
+Weights travel through `rollout.SharedWeights`: one shared-memory copy of the state dict plus a version
+counter, guarded by a lock. The trainer writes it at every sync; a searcher copies it into its model when
+the version changed. Nothing is pickled per step.
 
-Generation sits behind a small backend interface, `generate(prompt_ids, n, temperature) -> [ids]` and
-`load_state_dict(tensors)`: `HFGenerator` (transformers `generate` with KV cache; CPU or GPU) and
+Generation sits behind a small backend interface, `generate(prompt_ids, n, temperature, greedy) -> [ids]`
+and `load_state_dict(tensors)`: `HFGenerator` here (transformers `generate` with KV cache; CPU or GPU) and
 `VLLMGenerator` (GPU only, imported only when chosen). Sampling is full-support (top_k=0, top_p=1), as TB
-requires of an off-policy sampler.
+requires of an off-policy sampler. `Policy` wraps the same pieces for a task's evaluation.
 
 Departures from the official code:
   1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived (see
@@ -27,17 +28,19 @@ Departures from the official code:
   2. A searcher that raises exits non-zero with its traceback on stderr; the trainer notices within one
      step and stops the run (the official MPI code hangs).
 
-Run it through `python run_gsm8k.py`; this module has no entry point of its own.
+Run it through a run_*.py script; this module has no entry point of its own.
 """
 
+import math
 import os
 import queue
 import random
+from dataclasses import dataclass
 
 import torch
 
 from buffer import Trajectory
-from loss import make_batch, sequence_logprobs
+from loss import OBJECTIVE_INPUTS, make_batch, sequence_logprobs
 
 
 # -----------------------------------------------------------------------------
@@ -46,6 +49,8 @@ from loss import make_batch, sequence_logprobs
 def load_model(path, device="cpu", dtype=torch.float32, trust_remote_code=False):
     """AutoModelForCausalLM + AutoTokenizer from a hub name or local dir, in eval mode, with a pad token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # no "Loading weights" bar per model
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer of {path} has no EOS token; responses could never end")
@@ -55,27 +60,8 @@ def load_model(path, device="cpu", dtype=torch.float32, trust_remote_code=False)
     return model.to(device).eval(), tokenizer
 
 
-class SharedWeights:
-    """A state dict in shared memory with a version counter: the trainer publishes, searchers pull."""
-
-    def __init__(self, model, ctx, version=0):
-        self.tensors = {n: t.detach().to("cpu", copy=True).share_memory_() for n, t in model.state_dict().items()}
-        self.version = ctx.Value("q", version)  # the trainer step whose weights these are
-        self.lock = ctx.Lock()
-
-    def publish(self, model, version):
-        with self.lock:
-            for n, t in model.state_dict().items():
-                self.tensors[n].copy_(t.detach())
-            self.version.value = version
-
-    def pull(self, target, have_version):
-        """Copy into `target` (a model or a generator) if newer than have_version; return the version held."""
-        if self.version.value == have_version:
-            return have_version
-        with self.lock:
-            target.load_state_dict(self.tensors)
-            return self.version.value
+def dtype_of(name):
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 # -----------------------------------------------------------------------------
@@ -140,16 +126,66 @@ def cut_at_eos(ids, eos_id):
     return ids[:ids.index(eos_id) + 1] if eos_id in ids else ids
 
 
+@torch.no_grad()
+def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batch):
+    """Sequence log-probs of each (prompt, response) pair under `model`, micro_batch rows at a time. (N,) list"""
+    out = []
+    for i in range(0, len(responses), micro_batch):
+        batch = make_batch(prompt_ids[i:i + micro_batch], responses[i:i + micro_batch], pad_id)
+        out.append(sequence_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu())
+    return torch.cat(out).tolist() if out else []
+
+
+# -----------------------------------------------------------------------------
+# The policy as a task's evaluation sees it
+
+@dataclass
+class Completion:
+    text: str  # decoded without special tokens
+    token_ids: tuple  # generated ids, EOS included when generated
+    finished: bool  # ended with EOS (False: cut at max_new_tokens)
+
+
+class Policy:
+    """The trained policy and its reference, text in and out: what `Task.evaluate` works with."""
+
+    def __init__(self, cfg, model, ref, tokenizer):
+        self.cfg, self.model, self.ref, self.tokenizer = cfg, model, ref, tokenizer
+        self.generator = HFGenerator(model, tokenizer, cfg.max_new_tokens)
+
+    def generate(self, prompts, n=1, temperature=1.0, greedy=False):
+        """n completions per prompt (prompt-major), eval_batch_size rows per generate call."""
+        rows = [ids for ids in self.tokenizer(list(prompts))["input_ids"] for _ in range(n)]
+        out = []
+        for i in range(0, len(rows), self.cfg.eval_batch_size):
+            out += self.generator.generate(rows[i:i + self.cfg.eval_batch_size], 1, temperature, greedy)
+        return completions(self.tokenizer, out)
+
+    def logprobs(self, prompts, completions, model="policy"):
+        """Sequence log-probs (at the loss temperature) of completions of prompts under the policy or the reference."""
+        prompt_ids = self.tokenizer(list(prompts))["input_ids"]
+        net = self.model if model == "policy" else self.ref
+        T = self.cfg.loss_temperature or self.cfg.temperature
+        return score_logprobs(net, prompt_ids, [c.token_ids for c in completions], self.tokenizer.pad_token_id, T,
+                              self.cfg.micro_batch)
+
+
+def completions(tokenizer, responses):
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return [Completion(t, tuple(r), bool(r) and r[-1] == tokenizer.eos_token_id) for t, r in zip(texts, responses)]
+
+
 # -----------------------------------------------------------------------------
 # One search batch
 
 class Searcher:
     """Turns query ids into scored, annotated Trajectories. Used by searcher processes and by --sync mode."""
 
-    def __init__(self, cfg, task, generator, policy, ref, tokenizer, seed):
-        self.cfg, self.task, self.generator = cfg, task, generator
-        self.policy, self.ref, self.tokenizer = policy, ref, tokenizer
-        self.prompt_ids = [tokenizer(p)["input_ids"] for p in task.prompts]
+    def __init__(self, cfg, task, generator, tokenizer, scorer, seed, policy=None, ref=None):
+        """`policy` / `ref`: models to score behaviour / reference log-probs with (None: leave them to the trainer)."""
+        self.cfg, self.task, self.generator, self.tokenizer, self.scorer = cfg, task, generator, tokenizer, scorer
+        self.policy, self.ref = policy, ref
+        self.prompt_ids = {}  # query id -> token ids, filled as prompts are first used
         self.rng = random.Random(seed)
 
     def temperature(self):
@@ -157,27 +193,28 @@ class Searcher:
         return lo if hi is None else self.rng.uniform(lo, hi)
 
     def search(self, query_ids, policy_version, ref_version):
+        cfg, S = self.cfg, self.cfg.samples_per_prompt
         T = self.temperature()
-        prompts = [self.prompt_ids[q] for q in query_ids]
-        responses = self.generator.generate(prompts, self.cfg.samples_per_prompt, T)
-        qids = [q for q in query_ids for _ in range(self.cfg.samples_per_prompt)]
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        rewards = [self.task.reward(text, self.task.answers[q]) for text, q in zip(texts, qids)]
-        behavior_logp = self.score(self.policy, qids, responses, T)
-        ref_logp = self.score(self.ref, qids, responses, self.cfg.loss_temperature or self.cfg.temperature)
+        for q, ids in zip(query_ids, self.tokenizer([self.task.prompts[q] for q in query_ids])["input_ids"]):
+            self.prompt_ids[q] = ids
+        responses = self.generator.generate([self.prompt_ids[q] for q in query_ids], S, T)
+        qids = [q for q in query_ids for _ in range(S)]
+        done = completions(self.tokenizer, responses)
+        rewards = self.scorer([self.task.prompts[q] for q in qids], [c.text for c in done],
+                              [self.task.metas[q] for q in qids])
+        if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
+            rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
+        nan = [math.nan] * len(qids)
+        prompts = [self.prompt_ids[q] for q in qids]
+        pad = self.tokenizer.pad_token_id
+        behavior_logp = (score_logprobs(self.policy, prompts, responses, pad, T, cfg.micro_batch)
+                         if self.policy is not None else nan)
+        ref_logp = (score_logprobs(self.ref, prompts, responses, pad, cfg.loss_temperature or cfg.temperature,
+                                   cfg.micro_batch) if self.ref is not None else nan)
+        ref_version = ref_version if self.ref is not None else -1
         return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
                            behavior_logp=float(b), ref_logp=float(lr), ref_version=ref_version)
                 for q, r, rw, b, lr in zip(qids, responses, rewards, behavior_logp, ref_logp)]
-
-    @torch.no_grad()
-    def score(self, model, qids, responses, temperature):
-        """Sequence log-probs of the responses under `model`, in chunks of `micro_batch` rows. (N,)"""
-        out = []
-        for i in range(0, len(qids), self.cfg.micro_batch):
-            batch = make_batch([self.prompt_ids[q] for q in qids[i:i + self.cfg.micro_batch]],
-                               responses[i:i + self.cfg.micro_batch], self.tokenizer.pad_token_id)
-            out.append(sequence_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu())
-        return torch.cat(out).tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -201,79 +238,59 @@ class PromptSampler:
         return batch
 
     def state_dict(self):
-        return {"rng": _json_state(self.rng.getstate()), "order": self.order, "pos": self.pos}
+        return {"rng": json_rng_state(self.rng.getstate()), "order": self.order, "pos": self.pos}
 
     def load_state_dict(self, state):
-        self.rng.setstate(_tuple_state(state["rng"]))
+        self.rng.setstate(tuple_rng_state(state["rng"]))
         self.order, self.pos = state["order"], state["pos"]
 
 
-def _json_state(state):
+def json_rng_state(state):
     """random.Random.getstate() as JSON-friendly lists."""
     version, internal, gauss = state
     return [version, list(internal), gauss]
 
 
-def _tuple_state(state):
+def tuple_rng_state(state):
     version, internal, gauss = state
     return version, tuple(internal), gauss
 
 
-def searcher_main(rank, cfg, task, policy_weights, ref_weights, out_queue, stop_event, parent_pid, seed):
-    """Entry point of a searcher process. Exits non-zero (traceback on stderr) on any error."""
-    try:
-        torch.set_num_threads(cfg.searcher_threads)
-        torch.manual_seed(seed)
-        device, dtype = cfg.searcher_devices[rank], _dtype(cfg.dtype)
-        if cfg.backend == "vllm":  # vLLM places itself by CUDA_VISIBLE_DEVICES; set before CUDA starts here
-            os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":")[-1]
-            device = "cuda:0"
-        policy, tokenizer = load_model(cfg.model, device, dtype, cfg.trust_remote_code)
-        ref, _ = load_model(cfg.ref_model or cfg.model, device, dtype, cfg.trust_remote_code)
-        generator = make_generator(cfg, policy, tokenizer, seed)
-        searcher = Searcher(cfg, task, generator, policy, ref, tokenizer, seed)
-        version = ref_version = -1
-        for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
-            if stop_event.is_set() or os.getppid() != parent_pid:  # stopped, or the trainer is gone
-                break
-            new_version = policy_weights.pull(policy, version)
-            if new_version != version and generator.model is not policy:
-                generator.load_state_dict({n: t.cpu() for n, t in policy.state_dict().items()})  # vLLM's own copy
-            version = new_version
+def searcher_main(rank, cfg, task, seed, policy_weights, ref_weights, out_queue, stop_event, parent_pid):
+    """The work of a searcher process (started by rollout.searcher_process). An error exits it non-zero."""
+    torch.set_num_threads(cfg.searcher_threads)
+    torch.manual_seed(seed)
+    device, dtype = cfg.searcher_devices[rank], dtype_of(cfg.dtype)
+    if cfg.backend == "vllm":  # vLLM places itself by CUDA_VISIBLE_DEVICES; set before CUDA starts here
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":")[-1]
+        device = "cuda:0"
+    policy, tokenizer = load_model(cfg.model, device, dtype, cfg.trust_remote_code)
+    inputs = OBJECTIVE_INPUTS[cfg.objective]
+    ref = load_model(cfg.ref_model or cfg.model, device, dtype, cfg.trust_remote_code)[0] if "ref_logp" in inputs else None
+    generator = make_generator(cfg, policy, tokenizer, seed)
+    searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
+                        policy=policy if "behavior_logp" in inputs else None, ref=ref)
+    alive = lambda: not stop_event.is_set() and os.getppid() == parent_pid  # stopped, or the trainer is gone
+    version = ref_version = -1
+    for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
+        if not alive():
+            break
+        new_version = policy_weights.pull(policy, version)
+        if new_version != version and generator.model is not policy:
+            generator.load_state_dict({n: t.cpu() for n, t in policy.state_dict().items()})  # vLLM's own copy
+        version = new_version
+        if ref is not None:
             ref_version = ref_weights.pull(ref, ref_version)
-            batch = searcher.search(query_ids, version, ref_version)
-            while not stop_event.is_set():
-                try:
-                    out_queue.put((rank, batch), timeout=1.0)
-                    break
-                except queue.Full:
-                    continue
-    except KeyboardInterrupt:
-        pass  # Ctrl-C reaches every process in the group; the trainer reports it
-    finally:
-        out_queue.cancel_join_thread()  # never block exit on data nobody will read
+        batch = searcher.search(query_ids, version, ref_version)
+        while alive():
+            try:
+                out_queue.put(batch, timeout=1.0)
+                break
+            except queue.Full:
+                continue
 
 
 def make_generator(cfg, policy, tokenizer, seed):
     if cfg.backend == "vllm":
         return VLLMGenerator(cfg.model, tokenizer, cfg.max_new_tokens, cfg.vllm_gpu_memory_utilization, seed, cfg.dtype)
     return HFGenerator(policy, tokenizer, cfg.max_new_tokens)
-
-
-def _dtype(name):
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-# -----------------------------------------------------------------------------
-# Evaluation (greedy pass@1), shared by the trainer and the benchmarks
-
-@torch.no_grad()
-def evaluate(generator, tokenizer, prompts, answers, reward, batch_size):
-    """Greedy accuracy over (prompt, answer) pairs, and the first completion for a look."""
-    correct, first = 0.0, None
-    for i in range(0, len(prompts), batch_size):
-        ids = [tokenizer(p)["input_ids"] for p in prompts[i:i + batch_size]]
-        texts = tokenizer.batch_decode(generator.generate(ids, 1, 1.0, greedy=True), skip_special_tokens=True)
-        correct += sum(reward(t, a) for t, a in zip(texts, answers[i:i + batch_size]))
-        first = texts[0] if first is None else first
-    return correct / len(prompts), first

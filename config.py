@@ -1,0 +1,335 @@
+"""
+The configuration of a TBA run: one dataclass, the command line generated from it, presets, validation.
+
+Every knob of a run is a field of `Config` with a one-line doc and a section; a task script subclasses
+`Config` to add its own knobs (section "task"). `--flag-name` sets the field `flag_name`, `--help` lists
+the flags grouped by section, and a preset (`--preset tiny|paper`) is a named column of defaults that
+single flags override. The resolved config is printed once and saved as run_dir/config.json.
+
+`main(...)` is the entry point every run_*.py script calls: parse -> validate -> build the task ->
+train -> one closing line. Bad input ends it with one line `error: ...` and exit code 2 before any model
+is loaded or any process spawned.
+
+Nothing here imports torch or transformers at import time, so `--help` and flag errors answer at once.
+
+Run: python run_gsm8k.py --help
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+
+OBJECTIVES = ("tb", "rloo", "grpo", "dr_grpo")  # implemented in loss.py (objective_loss)
+SECTIONS = ("run", "models", "search", "trainer", "buffer and sync", "evaluation", "failures", "task")
+
+
+def knob(default, doc, section="task"):
+    """A config field with its one-line documentation and its --help section."""
+    return field(default=default, metadata={"doc": doc, "section": section})
+
+
+def _section(name):
+    return lambda default, doc: knob(default, doc, name)
+
+
+run_, models_, search_, trainer_, buffer_, eval_, failures_ = map(_section, SECTIONS[:7])
+
+
+@dataclass
+class Config:
+    """Every knob of a TBA run; run_*.py subclasses add the task's own. Each field is a --flag of the same name."""
+    # run
+    run_dir: str = run_("runs/tba", "directory for config.json, metrics.jsonl, checkpoints and the final model")
+    seed: int = run_(0, "random seed for every process (each searcher offsets it by its rank)")
+    steps: int = run_(700, "trainer optimiser steps")
+    sync: bool = run_(False, "synchronous on-policy baseline: generate then train in one process, no searchers "
+                             "(fresh data every step: --sync-every and --m do not apply)")
+    dry_run: bool = run_(False, "print the resolved config and the process-to-device plan, then exit (loads nothing)")
+    resume: str = run_("", "continue the run saved in this run directory, from its latest checkpoint")
+    checkpoint_every: int = run_(0, "save a checkpoint every this many steps (always at the end, on Ctrl-C, on abort)")
+    # models
+    model: str = models_("", "policy initialisation: HF hub name or local directory")
+    ref_model: str = models_("", "reference policy (empty: same as --model)")
+    trust_remote_code: bool = models_(False, "allow custom model code from the hub")
+    dtype: str = models_("auto", "model dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16")
+    device: str = models_("auto", "trainer device: auto (cuda:0 if CUDA is available, else cpu) | cpu | cuda:N")
+    searcher_device: str = models_("auto", "searcher devices: auto (one GPU each after the trainer's, shared round-robin "
+                                           "if too few; cpu without CUDA), one device, or a comma list with one per searcher")
+    trainer_threads: int = models_(1, "torch threads in the trainer process")
+    searcher_threads: int = models_(1, "torch threads in each searcher process")
+    # search
+    num_searchers: int = search_(1, "searcher processes")
+    backend: str = search_("auto", "searcher generation backend: auto (vllm if installed and on GPU, else hf) | hf | vllm")
+    vllm_gpu_memory_utilization: float = search_(0.5, "fraction of a searcher GPU that vLLM may take")
+    prompts_per_search: int = search_(4, "prompts per searcher generation batch")
+    samples_per_prompt: int = search_(24, "S: responses generated per prompt")
+    temperature: float = search_(0.7, "sampling temperature")
+    temperature_max: typing.Optional[float] = search_(None, "if set, each batch samples at uniform[temperature, this]")
+    max_new_tokens: int = search_(512, "longest response, in tokens")
+    no_eos_reward: typing.Optional[float] = search_(None, "if set, a response that did not end with EOS gets this "
+                                                          "reward instead of its score")
+    # trainer
+    objective: str = trainer_("tb", f"training objective: {' | '.join(OBJECTIVES)}")
+    batch_size: int = trainer_(140, "trajectories per step: Q queries x K responses")
+    responses_per_query: int = trainer_(20, "K: responses per query in a training batch (<= S)")
+    micro_batch_queries: int = trainer_(7, "queries per forward/backward (gradient accumulation over queries)")
+    micro_batch: int = trainer_(64, "rows per no-grad scoring forward (reference log-probs)")
+    lr: float = trainer_(1e-5, "peak learning rate (AdamW)")
+    weight_decay: float = trainer_(0.0, "AdamW weight decay")
+    warmup_steps: int = trainer_(50, "learning-rate warmup steps")
+    stable_steps: int = trainer_(350, "learning-rate stable steps after warmup")
+    decay_steps: int = trainer_(600, "learning-rate linear decay steps after stable")
+    lr_floor: float = trainer_(0.0, "final learning rate as a fraction of the peak")
+    grad_clip: float = trainer_(1.0, "gradient-norm clipping threshold")
+    beta_start: float = trainer_(0.014, "KL coefficient beta at step 0")
+    beta_end: float = trainer_(0.004, "KL coefficient beta after the decay")
+    beta_decay_steps: int = trainer_(500, "steps over which beta decays linearly to beta_end")
+    beta_stop_step: typing.Optional[int] = trainer_(None, "if set, beta jumps to beta_end at this step")
+    ref_reset_every: int = trainer_(0, "TBA': reset the reference to the policy every this many steps (0: never)")
+    loss_temperature: typing.Optional[float] = trainer_(None, "logit temperature for log-probs in the loss (None: --temperature)")
+    # buffer and sync
+    sync_every: int = buffer_(2, "k: merge searcher data and publish weights every k trainer steps")
+    initial_completions: int = buffer_(500, "trajectories to collect before the first trainer step")
+    m: float = buffer_(0.95, "probability that a query's K responses come from the latest round (most-on-policy)")
+    prioritization: str = buffer_("softmax", "off-policy draws: softmax (of reward / reward_temp) | uniform")
+    reward_temp: float = buffer_(1.0, "temperature of softmax prioritization")
+    capacity_per_query: int = buffer_(1000, "newest trajectories kept per query")
+    queue_size: int = buffer_(64, "searcher batches the queue holds before searchers wait")
+    # evaluation
+    eval_every: int = eval_(100, "evaluate the policy every this many steps (0: at the start and the end only)")
+    eval_size: int = eval_(0, "held-out prompts per evaluation (0: all)")
+    eval_batch_size: int = eval_(64, "prompts per evaluation generation batch")
+    log_every: int = eval_(1, "print a metrics line every this many steps (metrics.jsonl gets every step)")
+    # failures
+    on_searcher_failure: str = failures_("abort", "when a searcher dies: abort (exit non-zero) | restart (up to the limit)")
+    max_searcher_restarts: int = failures_(3, "restarts allowed over the run with --on-searcher-failure restart")
+    searcher_timeout: float = failures_(300.0, "a searcher that sends nothing for this many seconds has failed "
+                                               "(start-up and the initial fill included)")
+    max_nonfinite_steps: int = failures_(5, "abort after this many steps in a row with a non-finite loss or gradient")
+    max_prompt_tokens: int = failures_(0, "skip (and count) prompts longer than this many tokens (0: no limit)")
+
+    @property
+    def num_queries(self):
+        """Q = batch_size / K: queries per training batch."""
+        return self.batch_size // self.responses_per_query
+
+    @property
+    def searcher_devices(self):
+        devices = self.searcher_device.split(",")
+        return devices * self.num_searchers if len(devices) == 1 else devices
+
+
+class ConfigError(ValueError):
+    """A bad flag value or input file; raised before anything is loaded or spawned (exit code 2)."""
+
+
+class RunError(RuntimeError):
+    """A run that started and could not go on: a searcher died, non-finite steps (exit code 1)."""
+
+
+# -----------------------------------------------------------------------------
+# Validation: every check names its flag, and none can raise anything but ConfigError
+
+def validate(cfg):
+    """Raise ConfigError naming the flag of the first inconsistent setting."""
+    positive = ["steps", "samples_per_prompt", "responses_per_query", "batch_size", "micro_batch_queries", "micro_batch",
+                "prompts_per_search", "max_new_tokens", "sync_every", "initial_completions", "capacity_per_query",
+                "queue_size", "eval_batch_size", "log_every", "trainer_threads", "searcher_threads",
+                "max_nonfinite_steps"]
+    non_negative = ["seed", "warmup_steps", "stable_steps", "decay_steps", "beta_decay_steps", "ref_reset_every",
+                    "checkpoint_every", "eval_every", "eval_size", "max_searcher_restarts", "max_prompt_tokens",
+                    "weight_decay", "lr_floor"]
+    for name in positive:
+        _check(getattr(cfg, name) > 0, name, "must be > 0")
+    for name in non_negative:
+        _check(getattr(cfg, name) >= 0, name, "must be >= 0")
+    for name in ("lr", "temperature", "beta_start", "beta_end", "reward_temp", "grad_clip", "searcher_timeout"):
+        value = getattr(cfg, name)
+        _check(math.isfinite(value) and value > 0, name, "must be a finite number > 0")
+    _check(cfg.sync or cfg.num_searchers >= 1, "num_searchers", "must be >= 1")
+    _check(0.0 <= cfg.m <= 1.0, "m", "must be in [0, 1]")
+    _check(cfg.responses_per_query <= cfg.samples_per_prompt, "responses_per_query", "(K) must be <= --samples-per-prompt (S)")
+    _check(cfg.batch_size % cfg.responses_per_query == 0, "batch_size", "must be a multiple of --responses-per-query")
+    _check(cfg.num_queries % cfg.micro_batch_queries == 0 or cfg.micro_batch_queries >= cfg.num_queries,
+           "micro_batch_queries", "must divide --batch-size / --responses-per-query")
+    _check(cfg.temperature_max is None or cfg.temperature_max >= cfg.temperature, "temperature_max", "must be >= --temperature")
+    _check(cfg.loss_temperature is None or cfg.loss_temperature > 0, "loss_temperature", "must be > 0")
+    _check(0.0 <= cfg.lr_floor <= 1.0, "lr_floor", "must be in [0, 1]")
+    _check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
+    _check(cfg.objective != "rloo" or cfg.responses_per_query >= 2, "responses_per_query", "must be >= 2 for rloo")
+    _check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")
+    _check(cfg.backend in ("auto", "hf", "vllm"), "backend", "must be auto, hf or vllm")
+    _check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
+    _check(cfg.on_searcher_failure in ("abort", "restart"), "on_searcher_failure", "must be abort or restart")
+    _check(len(cfg.searcher_device.split(",")) in (1, cfg.num_searchers), "searcher_device", "needs one device or one per searcher")
+    _check(not (cfg.backend == "vllm" and "cpu" in cfg.searcher_device), "backend", "vllm needs GPU searchers")
+
+
+def _check(ok, name, message):
+    if not ok:
+        raise ConfigError(f"{flag(name)} {message}")
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+# -----------------------------------------------------------------------------
+# The command line, generated from the dataclass
+
+def build_parser(config_cls, defaults, description=None):
+    """argparse with one flag per field, grouped by section, defaults taken from `defaults` then the field."""
+    parser = argparse.ArgumentParser(description=description, usage="%(prog)s [--preset NAME] [--FLAG VALUE ...]",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    groups = {}
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        section = f.metadata.get("section", "task")
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        kind = hints[f.name]
+        optional = typing.get_origin(kind) is typing.Union
+        base = [a for a in typing.get_args(kind) if a is not type(None)][0] if optional else kind
+        kwargs = dict(default=defaults.get(f.name, f.default), help=f.metadata["doc"])
+        if base is bool:
+            groups[section].add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            groups[section].add_argument(flag(f.name), type=_parse_as(base, optional), metavar=base.__name__.upper(), **kwargs)
+    return parser
+
+
+def _parse_as(base, optional):
+    def parse(text):
+        return None if optional and text.lower() == "none" else base(text)
+    parse.__name__ = base.__name__  # argparse names the type in its error message
+    return parse
+
+
+def parse_config(config_cls, presets, argv=None, default_preset="tiny", description=None):
+    """`--preset NAME` picks a column of defaults from `presets`; every other flag overrides one field."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(presets), default=default_preset)
+    known, _ = pre.parse_known_args(argv)
+    parser = build_parser(config_cls, presets[known.preset], description)
+    parser.add_argument("--preset", choices=sorted(presets), default=known.preset, help="named set of defaults")
+    args = vars(parser.parse_args(argv))
+    preset = args.pop("preset")
+    return config_cls(**args), preset
+
+
+def config_record(cfg, preset):
+    return {"preset": preset, **dataclasses.asdict(cfg)}
+
+
+def print_config(cfg, preset):
+    record = config_record(cfg, preset)
+    width = max(len(k) for k in record)
+    print("\n".join(f"{k:<{width}} = {v}" for k, v in record.items()))
+
+
+def save_config(cfg, preset):
+    """Print the resolved config and save it as run_dir/config.json."""
+    print_config(cfg, preset)
+    with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+        json.dump(config_record(cfg, preset), f, indent=2)
+
+
+# -----------------------------------------------------------------------------
+# Devices
+
+def resolve_devices(cfg, num_gpus, vllm_installed=False):
+    """Fill in the 'auto' device, dtype and backend fields in place, given how many GPUs are visible."""
+    if cfg.device == "auto":
+        cfg.device = "cuda:0" if num_gpus else "cpu"
+    if cfg.searcher_device == "auto":
+        n = 1 if cfg.sync else cfg.num_searchers
+        cfg.searcher_device = ",".join(f"cuda:{(1 + i) % num_gpus}" for i in range(n)) if num_gpus else "cpu"
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else "float32"
+    if cfg.backend == "auto":
+        on_gpu = all(d.startswith("cuda") for d in cfg.searcher_devices)
+        cfg.backend = "vllm" if on_gpu and vllm_installed else "hf"
+    return cfg
+
+
+def device_plan(cfg):
+    """One line per process: what runs where."""
+    lines = [f"trainer     : {cfg.device} ({cfg.dtype}, {cfg.trainer_threads} threads)"]
+    if cfg.sync:
+        return lines + ["searchers   : none (--sync: the trainer generates its own on-policy batches)"]
+    for rank, device in enumerate(cfg.searcher_devices):
+        backend = f"vllm, gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}" if cfg.backend == "vllm" else "hf generate"
+        lines.append(f"searcher-{rank:<2d} : {device} ({cfg.dtype}, {backend}, {cfg.searcher_threads} threads)")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# The entry point of every run_*.py
+
+def main(config_cls, presets, make_task, argv=None, description=None):
+    """Parse, validate, build the task, train; returns the process exit code (2: bad input, 1: the run failed)."""
+    rollout = None
+    try:
+        cfg, preset = parse_config(config_cls, presets, argv, description=description)
+        validate(cfg)
+        if not cfg.dry_run:
+            from rollout import make_rollout
+            rollout = make_rollout(cfg)  # searcher processes start now: their slow imports overlap with ours
+        import importlib.util
+        import torch  # the first heavy import: only now that the flags are known to be sane
+        unresolved = dataclasses.replace(cfg)
+        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
+        if cfg.dry_run:
+            return dry_run(cfg, unresolved, preset)
+        check_run_dir(cfg)
+        task = make_task(cfg, preset)
+        import tba
+        save_config(cfg, preset)
+        tba.train(cfg, task, rollout)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: all processes stopped", file=sys.stderr)
+        return 130
+    finally:
+        if rollout is not None:
+            rollout.close()
+    return 0
+
+
+def dry_run(cfg, unresolved, preset):
+    """Print the resolved config and the process-to-device plan (and the 4-GPU plan when no GPU is visible)."""
+    print_config(cfg, preset)
+    print("\n".join(["", "process-to-device plan:", *device_plan(cfg)]))
+    if not cfg.device.startswith("cuda") and unresolved.device == "auto":
+        four = resolve_devices(dataclasses.replace(unresolved), num_gpus=4, vllm_installed=unresolved.backend != "hf")
+        print("\n".join(["", "no CUDA device is visible; with 4 GPUs (and vLLM installed) the plan would be:",
+                         *device_plan(four)]))
+    return 0
+
+
+def check_run_dir(cfg):
+    """An unwritable --run-dir, or a --resume without a checkpoint, is an error before any data or model work."""
+    from checkpoint import latest_checkpoint
+    try:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        probe = os.path.join(cfg.run_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {cfg.run_dir} is not writable ({e.strerror})") from None
+    if cfg.resume:
+        try:
+            latest_checkpoint(cfg.resume)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
