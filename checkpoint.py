@@ -6,10 +6,13 @@ A checkpoint is a directory run_dir/checkpoints/step-NNNNNN/:
     optimizer.pt         the AdamW state dict: tensors and numbers only, loaded with weights_only=True
     rng.pt               torch (and CUDA) RNG states, loaded with weights_only=True
     buffer.json          the replay buffer: every trajectory, the latest round, its sampler's RNG state
-    state.json           step, reference version, counters, the rollout's own state, the config
+    state.json           step, reference version, counters, the rollout's own state, the config, saved_at
 It is written under a temporary name and renamed into place; then run_dir/checkpoints/latest (a one-line
-file naming it) is replaced atomically, and older checkpoints are removed. A crash at any moment leaves
-the previous checkpoint intact and `latest` pointing at a complete one.
+file naming it) is replaced atomically, and all but the `keep` most recently written checkpoints are
+removed (by when they were written, not by step number: a run resumed with fewer --steps writes a lower
+step number last). A crash at any moment leaves the previous checkpoint intact and `latest` pointing at a
+complete one. If the newest checkpoint cannot be read, resuming names the broken file and falls back to
+the one before it.
 
 What resuming reproduces: in --sync mode with a fixed seed, a resumed run takes exactly the same steps as an
 uninterrupted one (same weights to float rounding; the tests check 1e-6). With searcher processes, the
@@ -19,15 +22,84 @@ random streams and whatever timing the machine gives them, so the data they prod
 Run: python run_gsm8k.py --checkpoint-every 50, then the same command with --resume runs/gsm8k-tiny.
 """
 
+import fcntl
 import json
 import os
 import shutil
+import time
 
-import torch
+from config import ConfigError, flag
+
+RUN_FILES = ("config.json", "metrics.jsonl", "result.json", "checkpoints", "final", "evals")  # what a run writes
+# config fields a resumed run may change without changing what the run is (printed when they change)
+HARMLESS = {"run_dir", "resume", "overwrite", "allow_config_change", "dry_run", "steps", "checkpoint_every",
+            "keep_checkpoints", "eval_every", "eval_size", "eval_batch_size", "log_every", "trainer_threads",
+            "searcher_threads", "num_searchers", "device", "searcher_device", "queue_size", "on_searcher_failure",
+            "max_searcher_restarts", "searcher_timeout", "max_nonfinite_steps", "cache_dir", "data_dir",
+            "vllm_gpu_memory_utilization"}
+_lock = None  # the open lock file of this process's run directory
 
 
-def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=1):
+# -----------------------------------------------------------------------------
+# The run directory belongs to one run at a time
+
+def prepare_run_dir(cfg, run_dir_given):
+    """Claim cfg.run_dir for this run, before anything is loaded: --resume DIR implies --run-dir DIR; the
+    directory must be writable and not in use by another run (a lock held until this process exits); a
+    directory holding an earlier run needs --resume or --overwrite; a resume must keep the run's meaning."""
+    global _lock
+    if cfg.resume:
+        if run_dir_given and os.path.abspath(cfg.run_dir) != os.path.abspath(cfg.resume):
+            raise ConfigError(f"--resume {cfg.resume} continues that run in its own directory; drop --run-dir {cfg.run_dir}")
+        cfg.run_dir = cfg.resume
+    try:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        _lock = open(os.path.join(cfg.run_dir, ".lock"), "a+")
+    except OSError as e:
+        raise ConfigError(f"--run-dir {cfg.run_dir} is not writable ({e.strerror})") from None
+    try:
+        fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _lock.seek(0)
+        raise ConfigError(f"--run-dir {cfg.run_dir} is in use by another run (pid {_lock.read().strip() or '?'})") from None
+    _lock.truncate(0)
+    _lock.write(f"{os.getpid()}\n")
+    _lock.flush()
+    used = [n for n in RUN_FILES if os.path.exists(os.path.join(cfg.run_dir, n))]
+    if cfg.resume:
+        check_resume(cfg)
+    elif used and not cfg.overwrite:
+        raise ConfigError(f"--run-dir {cfg.run_dir} holds an earlier run ({', '.join(used)}); "
+                          f"continue it with --resume {cfg.run_dir}, or pass --overwrite to replace it")
+    elif used:
+        for name in used:
+            path = os.path.join(cfg.run_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def check_resume(cfg):
+    """The checkpoint to resume exists, and the config differs from the saved one only in harmless fields."""
+    found = checkpoints_newest_first(cfg.resume)
+    if not found:
+        raise ConfigError(f"--resume {cfg.resume}: no checkpoint there (expected {cfg.resume}/checkpoints/step-*/)")
+    saved, new = read_state(found[0]).get("config", {}), vars(cfg)
+    changed = [k for k in new if k in saved and saved[k] != new[k] and not (k == "model" and not new[k])]
+    meaningful = [k for k in changed if k not in HARMLESS]
+    if meaningful and not cfg.allow_config_change:
+        was = " ".join(f"{flag(k)} {saved[k]}" for k in meaningful)
+        now = " ".join(f"{flag(k)} {new[k]}" for k in meaningful)
+        raise ConfigError(f"--resume {cfg.resume}: the run was saved with {was}, now {now}; "
+                          f"pass --allow-config-change to continue anyway")
+    if changed:
+        print(f"resume: changed since the checkpoint: " + ", ".join(f"{flag(k)} {saved[k]} -> {new[k]}" for k in changed))
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=2):
     """Write the checkpoint taken before trainer step `step`; returns its path."""
+    import torch
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:06d}")
     tmp = final + f".tmp{os.getpid()}"
@@ -40,45 +112,71 @@ def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=1):
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, os.path.join(tmp, "rng.pt"))
-    _write_json(os.path.join(tmp, "buffer.json"), buffer.state_dict())
-    _write_json(os.path.join(tmp, "state.json"), {"step": step, **state})
+    write_json(os.path.join(tmp, "buffer.json"), buffer.state_dict())
+    write_json(os.path.join(tmp, "state.json"), {"step": step, **state, "saved_at": time.time()})
+    respect_umask(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _write_text_atomic(os.path.join(root, "latest"), os.path.basename(final))
-    for name in sorted(n for n in os.listdir(root) if n.startswith("step-") and ".tmp" not in n)[:-keep]:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    write_text_atomic(os.path.join(root, "latest"), os.path.basename(final))
+    for old in checkpoints_newest_first(run_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir):
-    """Path of the newest complete checkpoint of a run directory; a clear error if there is none."""
-    pointer = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.isfile(pointer):
-        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint there (expected {pointer})")
-    with open(pointer) as f:
-        path = os.path.join(run_dir, "checkpoints", f.read().strip())
-    if not os.path.isfile(os.path.join(path, "state.json")):
-        raise FileNotFoundError(f"--resume {run_dir}: {pointer} names {path}, which is incomplete")
-    return path
+def checkpoints_newest_first(run_dir):
+    """Complete checkpoints of a run directory, the most recently written first."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    paths = [os.path.join(root, n) for n in os.listdir(root) if n.startswith("step-") and ".tmp" not in n]
+    return sorted((p for p in paths if os.path.isfile(os.path.join(p, "state.json"))), key=_saved_at, reverse=True)
+
+
+def _saved_at(path):
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            return json.load(f).get("saved_at", 0.0)
+    except (OSError, ValueError):
+        return 0.0  # unreadable: oldest
+
+
+def read_state(path):
+    """The state.json of a checkpoint (step, counters, the config it was saved with)."""
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)
 
 
 def load_checkpoint(path, policy, ref, opt, buffer):
-    """Restore weights, optimiser, RNG and buffer in place; returns the contents of state.json."""
+    """Restore weights, optimiser, RNG and buffer in place; returns the contents of state.json.
+    Raises CheckpointError naming the file that could not be read."""
+    import torch
     from safetensors.torch import load_file
-    for model, name in ((policy, "policy"), (ref, "ref")):
-        tensors = load_file(os.path.join(path, name, "model.safetensors"), device=str(next(model.parameters()).device))
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
-        if unexpected or any(not _is_tied(model, k) for k in missing):
-            raise ValueError(f"{path}/{name}: checkpoint does not match the model (missing {missing}, unexpected {unexpected})")
-    opt.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
-    rng = torch.load(os.path.join(path, "rng.pt"), weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    with open(os.path.join(path, "buffer.json")) as f:
-        buffer.load_state_dict(json.load(f))
-    with open(os.path.join(path, "state.json")) as f:
-        return json.load(f)
+    current = path
+    try:
+        for model, name in ((policy, "policy"), (ref, "ref")):
+            current = os.path.join(path, name, "model.safetensors")
+            tensors = load_file(current, device=str(next(model.parameters()).device))
+            missing, unexpected = model.load_state_dict(tensors, strict=False)
+            if unexpected or any(not _is_tied(model, k) for k in missing):
+                raise ValueError(f"does not match the model (missing {missing}, unexpected {unexpected})")
+        current = os.path.join(path, "optimizer.pt")
+        opt.load_state_dict(torch.load(current, weights_only=True))
+        current = os.path.join(path, "rng.pt")
+        rng = torch.load(current, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        current = os.path.join(path, "buffer.json")
+        with open(current) as f:
+            buffer.load_state_dict(json.load(f))
+        current = os.path.join(path, "state.json")
+        return read_state(path)
+    except Exception as e:  # any unreadable or inconsistent file: name it, one line
+        raise CheckpointError(f"{current}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]) from None
+
+
+class CheckpointError(ValueError):
+    pass
 
 
 def _is_tied(model, key):
@@ -86,12 +184,22 @@ def _is_tied(model, key):
     return key.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)
 
 
-def _write_json(path, obj):
+def respect_umask(folder):
+    """Give every file under `folder` the mode a plain open() would (0666 minus the umask): some writers
+    create files 0600 through a temporary file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            os.chmod(os.path.join(parent, name), 0o666 & ~umask)
+
+
+def write_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f)
 
 
-def _write_text_atomic(path, text):
+def write_text_atomic(path, text):
     tmp = path + f".tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text + "\n")

@@ -20,6 +20,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import signal
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -50,8 +52,12 @@ class Config:
     sync: bool = run_(False, "synchronous on-policy baseline: generate then train in one process, no searchers "
                              "(fresh data every step: --sync-every and --m do not apply)")
     dry_run: bool = run_(False, "print the resolved config and the process-to-device plan, then exit (loads nothing)")
-    resume: str = run_("", "continue the run saved in this run directory, from its latest checkpoint")
-    checkpoint_every: int = run_(0, "save a checkpoint every this many steps (always at the end, on Ctrl-C, on abort)")
+    resume: str = run_("", "continue the run saved in this run directory (implies --run-dir), from its latest checkpoint")
+    overwrite: bool = run_(False, "replace the earlier run in --run-dir (without it such a directory is refused)")
+    allow_config_change: bool = run_(False, "let --resume continue although flags that change the run's meaning changed")
+    checkpoint_every: int = run_(0, "save a checkpoint every this many steps (always at the end, on a stop signal, "
+                                    "on a searcher failure)")
+    keep_checkpoints: int = run_(2, "how many of the most recent checkpoints to keep")
     # models
     model: str = models_("", "policy initialisation: HF hub name or local directory")
     ref_model: str = models_("", "reference policy (empty: same as --model)")
@@ -132,12 +138,20 @@ class RunError(RuntimeError):
     """A run that started and could not go on: a searcher died, non-finite steps (exit code 1)."""
 
 
+class Stopped(Exception):
+    """The run was stopped by a signal (Ctrl-C, SIGTERM, SIGHUP); exit code 128 + the signal's number."""
+
+    def __init__(self, signum, detail=""):
+        self.signum, self.exit_code = signum, 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}" + (f"; {detail}" if detail else ""))
+
+
 # -----------------------------------------------------------------------------
 # Validation: every check names its flag, and none can raise anything but ConfigError
 
 def validate(cfg):
     """Raise ConfigError naming the flag of the first inconsistent setting."""
-    positive = ["steps", "samples_per_prompt", "responses_per_query", "batch_size", "micro_batch_queries", "micro_batch",
+    positive = ["steps", "keep_checkpoints", "samples_per_prompt", "responses_per_query", "batch_size", "micro_batch_queries", "micro_batch",
                 "prompts_per_search", "max_new_tokens", "sync_every", "initial_completions", "capacity_per_query",
                 "queue_size", "eval_batch_size", "log_every", "trainer_threads", "searcher_threads",
                 "max_nonfinite_steps"]
@@ -272,21 +286,25 @@ def device_plan(cfg):
 # The entry point of every run_*.py
 
 def main(config_cls, presets, make_task, argv=None, description=None):
-    """Parse, validate, build the task, train; returns the process exit code (2: bad input, 1: the run failed)."""
+    """Parse, check, build the task, train; returns the exit code (2: bad input, 1: the run failed,
+    128 + N: stopped by signal N). Every check that can fail does so before a model is loaded."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     rollout = None
     try:
         cfg, preset = parse_config(config_cls, presets, argv, description=description)
         validate(cfg)
-        if not cfg.dry_run:
-            from rollout import make_rollout
-            rollout = make_rollout(cfg)  # searcher processes start now: their slow imports overlap with ours
-        import importlib.util
-        import torch  # the first heavy import: only now that the flags are known to be sane
-        unresolved = dataclasses.replace(cfg)
-        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
+        check_devices(cfg)  # imports torch only when a flag names a CUDA device
         if cfg.dry_run:
-            return dry_run(cfg, unresolved, preset)
-        check_run_dir(cfg)
+            return dry_run(cfg, preset)
+        check_model_path(cfg)
+        catch_stop_signals()
+        from checkpoint import prepare_run_dir
+        prepare_run_dir(cfg, run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
+        from rollout import make_rollout
+        rollout = make_rollout(cfg)  # searcher processes start now: their slow imports overlap with ours
+        import importlib.util
+        import torch
+        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
         task = make_task(cfg, preset)
         import tba
         save_config(cfg, preset)
@@ -297,17 +315,57 @@ def main(config_cls, presets, make_task, argv=None, description=None):
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted: all processes stopped", file=sys.stderr)
-        return 130
+    except (Stopped, KeyboardInterrupt) as e:
+        e = e if isinstance(e, Stopped) else Stopped(signal.SIGINT, "before training started: nothing to resume")
+        print(f"{e}; all processes stopped", file=sys.stderr)
+        return e.exit_code
     finally:
         if rollout is not None:
             rollout.close()
     return 0
 
 
-def dry_run(cfg, unresolved, preset):
+def catch_stop_signals():
+    """SIGTERM and SIGHUP (what Slurm, Docker and systemd send) stop a run like Ctrl-C does; during
+    training, tba.StopOnSignal turns all three into a checkpoint at the next step boundary."""
+    def stop(signum, frame):
+        raise Stopped(signum, "before training started: nothing to resume")
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, stop)
+
+
+def check_devices(cfg):
+    """Every device flag names cpu, auto or a visible CUDA device."""
+    for name in ("device", "searcher_device"):
+        for device in getattr(cfg, name).split(","):
+            _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", device), name, f"{device}: expected auto, cpu or cuda:N")
+            if device.startswith("cuda"):
+                import torch
+                n = torch.cuda.device_count()
+                index = int(device.split(":")[1]) if ":" in device else 0
+                _check(index < n, name, f"{device}: {n} CUDA device(s) visible")
+
+
+def check_model_path(cfg):
+    """--model and --ref-model name a save_pretrained directory (with config.json) or a hub id."""
+    for name in ("model", "ref_model"):
+        path = getattr(cfg, name)
+        if not path:
+            continue
+        if os.path.isdir(path):
+            _check(os.path.isfile(os.path.join(path, "config.json")), name,
+                   f"{path} is a directory without config.json; expected a save_pretrained directory or a hub id")
+        else:
+            _check(re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.exists(path), name,
+                   f"{path}: no such directory, and not a hub id (organisation/name)")
+
+
+def dry_run(cfg, preset):
     """Print the resolved config and the process-to-device plan (and the 4-GPU plan when no GPU is visible)."""
+    import importlib.util
+    import torch
+    unresolved = dataclasses.replace(cfg)
+    resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
     print_config(cfg, preset)
     print("\n".join(["", "process-to-device plan:", *device_plan(cfg)]))
     if not cfg.device.startswith("cuda") and unresolved.device == "auto":
@@ -315,21 +373,3 @@ def dry_run(cfg, unresolved, preset):
         print("\n".join(["", "no CUDA device is visible; with 4 GPUs (and vLLM installed) the plan would be:",
                          *device_plan(four)]))
     return 0
-
-
-def check_run_dir(cfg):
-    """An unwritable --run-dir, or a --resume without a checkpoint, is an error before any data or model work."""
-    from checkpoint import latest_checkpoint
-    try:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        probe = os.path.join(cfg.run_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--run-dir {cfg.run_dir} is not writable ({e.strerror})") from None
-    if cfg.resume:
-        try:
-            latest_checkpoint(cfg.resume)
-        except FileNotFoundError as e:
-            raise ConfigError(str(e)) from None

@@ -68,29 +68,46 @@ def gsm8k_reward(completion, answer_field):
     return float(pred is not None and math.isclose(pred, gold_answer(answer_field), rel_tol=0, abs_tol=1e-6))
 
 
-def load_gsm8k(path):
-    """Rows of a GSM8K-format jsonl file as a list of {"question", "answer"} dicts; errors name file:line."""
+MAX_LINE_BYTES = 1 << 20  # a data line longer than this is an error, not a memory blow-up
+
+
+def read_jsonl(path, fields):
+    """Rows of a JSON-lines file, each a dict with string `fields` (UTF-8, a BOM allowed, blank lines skipped).
+    Every problem is a ConfigError naming file:line."""
     if not os.path.isfile(path):
-        raise ConfigError(f"GSM8K file not found: {path}")
+        raise ConfigError(f"{path}: no such file")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise ConfigError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-                raise ConfigError(f"{path}:{lineno}: a GSM8K row needs string fields 'question' and 'answer'")
-            try:
-                gold_answer(row["answer"])
-            except ValueError as e:
-                raise ConfigError(f"{path}:{lineno}: {e}") from None
-            rows.append({"question": row["question"], "answer": row["answer"]})
+            if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in fields):
+                raise ConfigError(f"{path}:{lineno}: a row needs string fields {', '.join(map(repr, fields))}")
+            rows.append((lineno, {k: row[k] for k in fields}))
     if not rows:
-        raise ConfigError(f"{path}: no GSM8K rows")
+        raise ConfigError(f"{path}: no rows")
     return rows
+
+
+def load_gsm8k(path):
+    """Rows of a GSM8K-format jsonl file as a list of {"question", "answer"} dicts; errors name file:line."""
+    rows = read_jsonl(path, ("question", "answer"))
+    for lineno, row in rows:
+        try:
+            gold_answer(row["answer"])
+        except ValueError as e:
+            raise ConfigError(f"{path}:{lineno}: {e}") from None
+    return [row for _, row in rows]
 
 
 def gsm8k_prompt(question):

@@ -28,6 +28,7 @@ This module imports torch only inside functions, so creating an AsyncRollout cos
 import multiprocessing
 import os
 import queue
+import signal
 import time
 
 from tqdm import tqdm
@@ -37,6 +38,10 @@ from config import RunError
 
 class SearcherDied(RunError):
     pass
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while the trainer waited for searchers (tba.train checkpoints and stops)."""
 
 
 class SharedWeights:
@@ -119,8 +124,6 @@ class AsyncRollout:
             silent = time.time() - self.last_heard[rank]
             if p.exitcode is None and silent < self.cfg.searcher_timeout:
                 continue
-            if self.stop is not None and self.stop.requested:
-                raise KeyboardInterrupt  # Ctrl-C reached the searchers too; not a failure
             if p.exitcode is None:
                 msg = f"{p.name} (pid {p.pid}) sent nothing for {silent:.0f} s (--searcher-timeout {self.cfg.searcher_timeout})"
                 p.kill()
@@ -155,6 +158,8 @@ class AsyncRollout:
             if not got:
                 if len(items) >= need:
                     break
+                if self.stop is not None and self.stop.requested:
+                    raise StopRequested
                 self.check_alive()
         bar.close()
         self.received += len(items)
@@ -194,7 +199,10 @@ class AsyncRollout:
 
 
 def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weights, parent_pid):
-    """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it."""
+    """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it.
+    Stop signals are the trainer's to handle: a searcher ends when told to or when the trainer is gone."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
     try:
         import transformers.modeling_utils  # noqa: F401  (the bulk of the ~5 s import, done while waiting)
         while not stop_event.is_set() and os.getppid() == parent_pid:
@@ -207,8 +215,6 @@ def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weig
             searcher_main(rank, job["cfg"], job["task"], job["seed"], policy_weights, ref_weights, out_queue,
                           stop_event, parent_pid)
             return
-    except KeyboardInterrupt:
-        pass  # Ctrl-C reaches every process in the group; the trainer reports it
     finally:
         out_queue.cancel_join_thread()  # never block exit on data nobody will read
 

@@ -44,7 +44,7 @@ TINY = dict(
     lr=2e-5, warmup_steps=20, stable_steps=180, decay_steps=100, lr_floor=0.1,
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,  # constant beta
     sync_every=4, initial_completions=256, m=0.95, capacity_per_query=64,
-    eval_every=50, eval_size=0, eval_batch_size=100, log_every=10, checkpoint_every=100,
+    eval_every=50, eval_size=0, eval_batch_size=100, log_every=10, checkpoint_every=100, searcher_timeout=60.0,
 )
 
 PAPER = dict(

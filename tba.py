@@ -43,10 +43,10 @@ import torch
 from tqdm import tqdm
 
 from buffer import ReplayBuffer
-from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from config import ConfigError, RunError
+from checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
+from config import ConfigError, RunError, Stopped
 from loss import beta_schedule, make_batch, objective_loss, sequence_logprobs, tb_log_Z, wsd_lr_multiplier
-from rollout import SearcherDied, make_rollout
+from rollout import SearcherDied, StopRequested, make_rollout
 from searcher import Policy, dtype_of, load_model, score_logprobs
 
 
@@ -66,8 +66,7 @@ def train(cfg, task, rollout=None):
             rollout.stop = stop
             for step in tqdm(range(run.start, cfg.steps), desc="train", disable=None, initial=run.start, total=cfg.steps):
                 if stop.requested:  # Ctrl-C, SIGTERM or SIGHUP: a checkpoint at this step boundary, then stop
-                    save(run, step)
-                    raise KeyboardInterrupt
+                    raise StopRequested
                 m, t_step = {"step": step}, time.time()
                 run.rollout.check_alive()
                 if step > run.start and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -90,6 +89,9 @@ def train(cfg, task, rollout=None):
     except SearcherDied:
         save(run, step)  # the failing step had not started: the state is consistent
         raise
+    except StopRequested:  # at a step boundary, or while waiting for searchers: consistent too
+        path = save(run, step)
+        raise Stopped(stop.requested, f"checkpoint {path}; continue with --resume {cfg.run_dir}") from None
     finally:
         rollout.close()
     return finish(run)
@@ -120,18 +122,16 @@ def setup(cfg, task, rollout):
     """Models, optimiser, buffer and metrics file; the state of a resumed run; the searchers' job."""
     torch.set_num_threads(cfg.trainer_threads)
     torch.manual_seed(cfg.seed)
-    policy, tokenizer = load_model(cfg.model, cfg.device, dtype_of(cfg.dtype), cfg.trust_remote_code)
-    ref, _ = load_model(cfg.ref_model or cfg.model, cfg.device, dtype_of(cfg.dtype), cfg.trust_remote_code)
+    policy, tokenizer = load_checked(cfg, "model")
+    ref, _ = load_checked(cfg, "ref_model" if cfg.ref_model else "model")
     ref.requires_grad_(False)  # both stay in eval mode: no dropout, log-probs are a function of the weights
     task = drop_long_prompts(task, tokenizer, cfg.max_prompt_tokens)
     run = Run(cfg, task, policy, ref, tokenizer, torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay),
               ReplayBuffer(cfg.capacity_per_query, cfg.seed), tokenizer(task.prompts)["input_ids"],
               {"ref_version": 0, "searcher_version": 0, "fresh_reward": math.nan, "skipped": 0, "before": None})
     if cfg.resume:
-        path = latest_checkpoint(cfg.resume)
-        run.state = load_checkpoint(path, policy, ref, run.opt, run.buffer)
+        run.state = restore(run)
         run.start = run.state.pop("step")
-        print(f"resuming from {path} at step {run.start}")
     run.rollout = rollout
     rollout.start(cfg, task, policy, ref, tokenizer, run.start, run.state["ref_version"])
     if "rollout" in run.state:
@@ -143,6 +143,30 @@ def setup(cfg, task, rollout):
     return run
 
 
+def load_checked(cfg, field):
+    """load_model for --model / --ref-model, a load failure being one line naming the flag."""
+    path = getattr(cfg, field)
+    try:
+        return load_model(path, cfg.device, dtype_of(cfg.dtype), cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--{field.replace('_', '-')} {path}: cannot load it ({str(e).splitlines()[0]})") from None
+
+
+def restore(run):
+    """Load the newest readable checkpoint of --resume; a broken newest one is named and the previous used."""
+    for path in checkpoints_newest_first(run.cfg.resume):
+        try:
+            state = load_checkpoint(path, run.policy, run.ref, run.opt, run.buffer)
+        except CheckpointError as e:
+            print(f"warning: cannot resume from {e}; trying the checkpoint before it")
+            continue
+        if state["step"] > run.cfg.steps:
+            raise ConfigError(f"--resume {run.cfg.resume}: {path} is at step {state['step']}, past --steps {run.cfg.steps}")
+        print(f"resuming from {path} at step {state['step']}")
+        return state
+    raise ConfigError(f"--resume {run.cfg.resume}: no checkpoint there could be read")
+
+
 def finish(run):
     """The final evaluation, the trained policy saved, before/after written to result.json and printed."""
     cfg, task = run.cfg, run.task
@@ -151,6 +175,7 @@ def finish(run):
     final_dir = os.path.join(cfg.run_dir, "final")
     run.policy.save_pretrained(final_dir)
     run.tokenizer.save_pretrained(final_dir)
+    respect_umask(final_dir)
     print(f"saved the final policy to {final_dir}")
     before = run.state["before"]
     with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
@@ -164,8 +189,9 @@ def save(run, step):
     """A checkpoint of the state before trainer step `step` (never of non-finite weights)."""
     if not (weights_finite(run.policy) and weights_finite(run.ref)):
         raise NonFiniteError("non-finite weights: no checkpoint written")
-    save_checkpoint(run.cfg.run_dir, step, run.policy, run.ref, run.opt, run.buffer,
-                    {**run.state, "rollout": run.rollout.state_dict(), "config": dataclasses.asdict(run.cfg)})
+    return save_checkpoint(run.cfg.run_dir, step, run.policy, run.ref, run.opt, run.buffer,
+                           {**run.state, "rollout": run.rollout.state_dict(), "config": dataclasses.asdict(run.cfg)},
+                           keep=run.cfg.keep_checkpoints)
 
 
 def weights_finite(model):
@@ -191,8 +217,11 @@ def drop_long_prompts(task, tokenizer, max_tokens):
 def merge(run, step):
     """Drain the searchers' trajectories into the buffer; remember how the freshest ones did."""
     fresh = run.rollout.merge(run.buffer, step)
+    run.state["fresh_count"] = len(fresh)
     if step == run.start:
         run.meter.restart(run.rollout.received)  # rates count from the first trained step on
+    elif not fresh:
+        tqdm.write(f"sync at step {step}: no new trajectories from the searchers (training on the buffer's older ones)")
     if fresh:
         run.state["fresh_reward"] = float(np.mean([t.reward for t in fresh]))
         run.state["searcher_version"] = max(run.state["searcher_version"], max(t.policy_version for t in fresh))
@@ -260,7 +289,7 @@ def log(run, m, groups, step, t_step):
         raise NonFiniteError(f"{state['nonfinite_run']} steps in a row had a non-finite loss or gradient (step {step}); "
                              f"stopping (--max-nonfinite-steps {run.cfg.max_nonfinite_steps})")
     run.meter.busy += m["time/train"]
-    m.update({"reward/fresh": state["fresh_reward"], "grad/skipped_total": state["skipped"],
+    m.update({"reward/fresh": state["fresh_reward"], "buffer/fresh": state["fresh_count"], "grad/skipped_total": state["skipped"],
               "buffer/size": len(run.buffer), "buffer/queries": run.buffer.num_queries,
               "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": state["ref_version"],
               "searcher/version": state["searcher_version"], "searcher/restarts": run.rollout.restarts,
@@ -343,19 +372,19 @@ class Meter:
 
 
 class StopOnSignal:
-    """Ctrl-C, SIGTERM or SIGHUP during training ask for a clean stop at the next step boundary
-    (a second one stops at once)."""
+    """Ctrl-C, SIGTERM or SIGHUP during training ask for a clean stop (with a checkpoint) at the next step
+    boundary; `requested` holds the signal's number. A second signal stops at once, without a checkpoint."""
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __enter__(self):
-        self.requested = False
+        self.requested = 0
         self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self
 
     def _handler(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+            raise Stopped(signum, "a second signal: no checkpoint of the current step")
+        self.requested = signum
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():

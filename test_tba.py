@@ -274,7 +274,7 @@ def test_load_gsm8k_errors(tmp_path):
         load_gsm8k(str(missing))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(ValueError, match="no GSM8K rows"):
+    with pytest.raises(ValueError, match="no rows"):
         load_gsm8k(str(empty))
 
 
@@ -561,6 +561,12 @@ def test_paper_preset_dry_run_prints_paper_values():
 # -----------------------------------------------------------------------------
 # Runs that survive: checkpoints, resume, searcher failures, non-finite steps, bad input
 
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _weights(model_dir):
     """The tensors of a save_pretrained directory."""
     from safetensors.torch import load_file
@@ -593,11 +599,14 @@ def test_resume_in_sync_mode_reproduces_the_uninterrupted_run(tmp_path, cache_di
 
 
 def test_checkpoint_files_load_without_pickle(tmp_path, cache_dir):
-    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "6", "--checkpoint-every", "3", "--sync"),
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "6", "--checkpoint-every", "2", "--sync"),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     root = tmp_path / "run" / "checkpoints"
-    assert sorted(os.listdir(root)) == ["latest", "step-000006"], "older checkpoints are removed"
+    assert sorted(os.listdir(root)) == ["latest", "step-000004", "step-000006"], "the two newest are kept"
+    for folder in (root / "step-000006" / "policy", tmp_path / "run" / "final"):
+        mode = os.stat(folder / "model.safetensors").st_mode & 0o777
+        assert mode == 0o666 & ~_umask(), f"{folder}/model.safetensors has mode {oct(mode)}"
     ckpt = root / "step-000006"
     torch.load(ckpt / "optimizer.pt", weights_only=True)
     torch.load(ckpt / "rng.pt", weights_only=True)
