@@ -5,11 +5,15 @@ Searchers produce `Trajectory` records; at every sync the trainer merges everyth
 last sync as one *round* with `ReplayBuffer.add`. Training batches are drawn with `sample`:
 
   for each of the Q groups, independently:
-    with probability m ("most-on-policy"): pick a query that got items in the latest round and draw its
-        K responses from that round only;
-    otherwise: pick any query ever seen (uniformly) and draw its K responses from everything it holds,
-        by softmax(reward / reward_temp) ("softmax") or uniformly ("uniform").
-  Draws are without replacement, and with replacement only when a query has fewer than K candidates.
+    with probability m ("most-on-policy"): take the next query of the latest round and draw its K responses
+        from that round only;
+    otherwise: take the next query of all those ever seen and draw its K responses from everything it
+        holds, by softmax(reward / reward_temp) ("softmax") or uniformly ("uniform").
+  "The next query" is dealt from a shuffled deck (`Deck`), so queries come without replacement until the
+  deck is used up; the latest round's deck is then reshuffled, the all-queries deck refilled with every
+  query seen so far (as the official code does). A sync that brings no new data keeps the previous round,
+  so m keeps its meaning when searchers fall behind. Responses are drawn without replacement, and with
+  replacement only when a query has fewer than K candidates.
 
 Storage rules (paper Sec. 3): a response identical to one already stored for the same query (same token
 ids) replaces it, so only the newest copy is kept; each query keeps at most `capacity_per_query` items,
@@ -20,7 +24,9 @@ Departures from the paper / official code:
      weights published at the previous sync. Our searchers never wait, so a batch that was in flight
      during a publish can arrive one round late. `add(..., round_min_version=v)` keeps such items in the
      buffer but out of the "latest round", which bounds the staleness of most-on-policy draws by 2k-1
-     trainer steps, as with the barrier.
+     trainer steps, as with the barrier (plus k for every sync in a row that brought nothing new).
+  2. The official buffer lives partly on the searchers, which send each changed query's whole store at a
+     sync; here the trainer holds one buffer and merges trajectories. What is stored and drawn is the same.
 
 Run `python buffer.py` to time add and sample at paper scale (~100k trajectories over 7,000 queries).
 """
@@ -38,10 +44,23 @@ class Trajectory:
     response_ids: tuple  # generated token ids, EOS included when generated, no padding
     reward: float  # r(x, y)
     policy_version: int  # trainer step whose weights generated it
-    behavior_logp: float = float("nan")  # log-prob under the sampling policy (at the sampling temperature)
+    behavior_logp: float = float("nan")  # log-prob under the sampling policy (at the sampling temperature) ...
+    behavior_token_logp: tuple = ()  # ... and per response token, for per-token ratios (GRPO)
     ref_logp: float = float("nan")  # log-prob under the reference policy ...
     ref_version: int = -1  # ... whose weights were the policy at this trainer step (-1: not computed)
     round: int = -1  # set by the buffer: the add() call that stored it
+
+
+class Deck:
+    """Deals items without replacement; when empty, reshuffles `refill()` (the same set, or a new one)."""
+
+    def __init__(self, rng):
+        self.rng, self.left = rng, []
+
+    def deal(self, refill):
+        if not self.left:
+            self.left = [int(i) for i in self.rng.permutation(refill())]
+        return self.left.pop()
 
 
 class ReplayBuffer:
@@ -50,10 +69,11 @@ class ReplayBuffer:
         self.capacity = capacity_per_query
         self.rng = np.random.default_rng(seed)
         self.items = {}  # query_id -> {response_ids: Trajectory}, oldest insertion first
-        self.query_ids = []  # every query ever seen, for uniform choice of a query
-        self.latest = {}  # query_id -> [Trajectory] stored in the latest round
-        self.latest_ids = []  # keys of self.latest, for uniform choice
+        self.query_ids = []  # every query ever seen
+        self.latest = {}  # query_id -> [Trajectory] stored in the latest round that brought any
+        self.latest_deck, self.all_deck = Deck(self.rng), Deck(self.rng)  # next query of the round / of all
         self.num_rounds = 0
+        self.latest_round = 0  # the add() call whose items are the latest round
         self.size = 0
 
     def __len__(self):
@@ -64,7 +84,8 @@ class ReplayBuffer:
         return len(self.items)
 
     def add(self, trajectories, round_min_version=None):
-        """Merge one round. Items with policy_version < round_min_version are stored but not in the round."""
+        """Merge one round. Items with policy_version < round_min_version are stored but not in the round.
+        Returns the number of trajectories in the new round; 0 means the previous round stays the latest."""
         self.num_rounds += 1
         rnd = self.num_rounds
         touched = set()
@@ -85,13 +106,15 @@ class ReplayBuffer:
             touched.add(t.query_id)
         for q in touched:
             self._evict(q)
-        self.latest = {}
+        latest = {}
         for q in touched:
             fresh = [t for t in self.items[q].values()
                      if t.round == rnd and (round_min_version is None or t.policy_version >= round_min_version)]
             if fresh:
-                self.latest[q] = fresh
-        self.latest_ids = list(self.latest)
+                latest[q] = fresh
+        if latest:  # a sync that brought nothing new keeps the last round (the official code's behaviour)
+            self.latest, self.latest_deck.left, self.latest_round = latest, [], rnd
+        return sum(len(v) for v in latest.values())
 
     def _evict(self, q):
         per_query = self.items[q]
@@ -102,6 +125,10 @@ class ReplayBuffer:
         for t in sorted(per_query.values(), key=lambda t: t.policy_version)[:excess]:
             del per_query[t.response_ids]
         self.size -= excess
+        if q in self.latest:  # an evicted item leaves the latest round too
+            self.latest[q] = [t for t in self.latest[q] if per_query.get(t.response_ids) is t]
+            if not self.latest[q]:
+                del self.latest[q]
 
     def sample(self, num_queries, k, m=1.0, prioritization="softmax", reward_temp=1.0):
         """Return `num_queries` groups, each a list of `k` Trajectories of one query."""
@@ -111,11 +138,11 @@ class ReplayBuffer:
             raise ValueError("cannot sample from an empty replay buffer")
         groups = []
         for _ in range(num_queries):
-            if self.latest_ids and self.rng.random() < m:
-                q = self.latest_ids[self.rng.integers(len(self.latest_ids))]
+            if self.latest and self.rng.random() < m:
+                q = self.latest_deck.deal(lambda: list(self.latest))
                 groups.append(self._draw(self.latest[q], k, None))
             else:
-                q = self.query_ids[self.rng.integers(len(self.query_ids))]
+                q = self.all_deck.deal(lambda: self.query_ids)
                 candidates = list(self.items[q].values())
                 p = None
                 if prioritization == "softmax":
@@ -127,7 +154,7 @@ class ReplayBuffer:
 
     def latest_groups(self, k):
         """One group of k responses per query of the latest round (used by the on-policy --sync baseline)."""
-        return [self._draw(self.latest[q], k, None) for q in self.latest_ids]
+        return [self._draw(self.latest[q], k, None) for q in self.latest]
 
     def _draw(self, candidates, k, p):
         idx = self.rng.choice(len(candidates), size=k, replace=len(candidates) < k, p=p)
@@ -135,14 +162,16 @@ class ReplayBuffer:
 
     def state_dict(self):
         """Everything needed to continue sampling exactly: JSON-serialisable (no pickling)."""
-        return {"capacity": self.capacity, "num_rounds": self.num_rounds, "rng": self.rng.bit_generator.state,
+        return {"capacity": self.capacity, "num_rounds": self.num_rounds, "latest_round": self.latest_round,
+                "rng": self.rng.bit_generator.state,
                 "items": [dataclasses.asdict(t) for per_query in self.items.values() for t in per_query.values()],
-                "latest": [[q, [list(t.response_ids) for t in items]] for q, items in self.latest.items()]}
+                "latest": [[q, [list(t.response_ids) for t in items]] for q, items in self.latest.items()],
+                "decks": [self.latest_deck.left, self.all_deck.left]}
 
     def load_state_dict(self, state):
         self.__init__(state["capacity"])
         self.rng.bit_generator.state = state["rng"]
-        self.num_rounds = state["num_rounds"]
+        self.num_rounds, self.latest_round = state["num_rounds"], state["latest_round"]
         for record in state["items"]:  # same insertion order as when saved, so draws repeat exactly
             t = Trajectory(**{**record, "response_ids": tuple(record["response_ids"])})
             if t.query_id not in self.items:
@@ -151,7 +180,7 @@ class ReplayBuffer:
             self.items[t.query_id][t.response_ids] = t
             self.size += 1
         self.latest = {q: [self.items[q][tuple(r)] for r in responses] for q, responses in state["latest"]}
-        self.latest_ids = list(self.latest)
+        self.latest_deck.left, self.all_deck.left = (list(d) for d in state["decks"])
 
     @staticmethod
     def staleness(groups, step):

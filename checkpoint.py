@@ -1,5 +1,15 @@
 """
-Checkpoints that a run can resume from, written atomically and loadable without unpickling objects.
+Run directories and checkpoints: a run directory belongs to one run at a time, and a run can always be
+resumed from what it last saved.
+
+The run directory (`prepare_run_dir`, called before anything is loaded or spawned):
+  - `--resume DIR` continues the run in DIR (it implies `--run-dir DIR`);
+  - a lock (run_dir/.lock, flock, released when the process exits, however it exits) refuses a second
+    run on the same directory, naming the holder's pid;
+  - a directory that holds an earlier run is refused unless `--resume` or `--overwrite` is given;
+  - a resume compares the new config with the one saved in the checkpoint: a changed field that changes
+    what the run is (model, objective, batch shape, buffer, --sync, ...) is refused with a one-line diff
+    unless `--allow-config-change`; harmless ones (`HARMLESS`: steps, logging, threads, ...) are printed.
 
 A checkpoint is a directory run_dir/checkpoints/step-NNNNNN/:
     policy/, ref/        save_pretrained (safetensors) of the policy and the reference
@@ -77,13 +87,23 @@ def prepare_run_dir(cfg, run_dir_given):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
+def release_run_dir():
+    """Give up this process's claim on its run directory (exiting does it too)."""
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
 def check_resume(cfg):
     """The checkpoint to resume exists, and the config differs from the saved one only in harmless fields."""
     found = checkpoints_newest_first(cfg.resume)
     if not found:
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there (expected {cfg.resume}/checkpoints/step-*/)")
     saved, new = read_state(found[0]).get("config", {}), vars(cfg)
-    changed = [k for k in new if k in saved and saved[k] != new[k] and not (k == "model" and not new[k])]
+    bookkeeping = {"run_dir", "resume", "overwrite", "allow_config_change", "dry_run"}
+    changed = [k for k in new if k in saved and saved[k] != new[k] and k not in bookkeeping
+               and not (k == "model" and not new[k])]  # (an empty --model: the tiny preset derives it)
     meaningful = [k for k in changed if k not in HARMLESS]
     if meaningful and not cfg.allow_config_change:
         was = " ".join(f"{flag(k)} {saved[k]}" for k in meaningful)

@@ -23,10 +23,13 @@ import os
 import re
 import signal
 import sys
+import time
 import typing
 from dataclasses import dataclass, field
 
-OBJECTIVES = ("tb", "rloo", "grpo", "dr_grpo")  # implemented in loss.py (objective_loss)
+LAUNCHED = time.time()  # when the run script started: it imports this module first
+
+OBJECTIVES = ("tb", "rloo", "grpo", "dr_grpo", "online_dpo")  # implemented in loss.py (objective_loss)
 SECTIONS = ("run", "models", "search", "trainer", "buffer and sync", "evaluation", "failures", "task")
 
 
@@ -89,9 +92,10 @@ class Config:
     weight_decay: float = trainer_(0.0, "AdamW weight decay")
     warmup_steps: int = trainer_(50, "learning-rate warmup steps")
     stable_steps: int = trainer_(350, "learning-rate stable steps after warmup")
-    decay_steps: int = trainer_(600, "learning-rate linear decay steps after stable")
+    decay_steps: int = trainer_(600, "learning-rate decay steps after stable")
+    lr_decay: str = trainer_("cosine", "shape of the learning-rate decay: cosine (transformers' get_wsd_schedule) | linear")
     lr_floor: float = trainer_(0.0, "final learning rate as a fraction of the peak")
-    grad_clip: float = trainer_(1.0, "gradient-norm clipping threshold")
+    grad_clip: float = trainer_(0.0, "gradient-norm clipping threshold (0: no clipping, as in the official code)")
     beta_start: float = trainer_(0.014, "KL coefficient beta at step 0")
     beta_end: float = trainer_(0.004, "KL coefficient beta after the decay")
     beta_decay_steps: int = trainer_(500, "steps over which beta decays linearly to beta_end")
@@ -155,14 +159,14 @@ def validate(cfg):
                 "prompts_per_search", "max_new_tokens", "sync_every", "initial_completions", "capacity_per_query",
                 "queue_size", "eval_batch_size", "log_every", "trainer_threads", "searcher_threads",
                 "max_nonfinite_steps"]
-    non_negative = ["seed", "warmup_steps", "stable_steps", "decay_steps", "beta_decay_steps", "ref_reset_every",
+    non_negative = ["seed", "grad_clip", "warmup_steps", "stable_steps", "decay_steps", "beta_decay_steps", "ref_reset_every",
                     "checkpoint_every", "eval_every", "eval_size", "max_searcher_restarts", "max_prompt_tokens",
                     "weight_decay", "lr_floor"]
     for name in positive:
         _check(getattr(cfg, name) > 0, name, "must be > 0")
     for name in non_negative:
         _check(getattr(cfg, name) >= 0, name, "must be >= 0")
-    for name in ("lr", "temperature", "beta_start", "beta_end", "reward_temp", "grad_clip", "searcher_timeout"):
+    for name in ("lr", "temperature", "beta_start", "beta_end", "reward_temp", "searcher_timeout"):
         value = getattr(cfg, name)
         _check(math.isfinite(value) and value > 0, name, "must be a finite number > 0")
     _check(cfg.sync or cfg.num_searchers >= 1, "num_searchers", "must be >= 1")
@@ -175,8 +179,9 @@ def validate(cfg):
     _check(cfg.loss_temperature is None or cfg.loss_temperature > 0, "loss_temperature", "must be > 0")
     _check(0.0 <= cfg.lr_floor <= 1.0, "lr_floor", "must be in [0, 1]")
     _check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
-    _check(cfg.objective != "rloo" or cfg.responses_per_query >= 2, "responses_per_query", "must be >= 2 for rloo")
+    _check(cfg.objective == "tb" or cfg.responses_per_query >= 2, "responses_per_query", f"must be >= 2 for {cfg.objective}")
     _check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")
+    _check(cfg.lr_decay in ("cosine", "linear"), "lr_decay", "must be cosine or linear")
     _check(cfg.backend in ("auto", "hf", "vllm"), "backend", "must be auto, hf or vllm")
     _check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
     _check(cfg.on_searcher_failure in ("abort", "restart"), "on_searcher_failure", "must be abort or restart")
@@ -322,6 +327,8 @@ def main(config_cls, presets, make_task, argv=None, description=None):
     finally:
         if rollout is not None:
             rollout.close()
+        if "checkpoint" in sys.modules:
+            sys.modules["checkpoint"].release_run_dir()
     return 0
 
 

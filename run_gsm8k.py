@@ -41,26 +41,30 @@ TINY = dict(
     batch_size=64, responses_per_query=8, micro_batch_queries=8, micro_batch=64,  # 8 queries x K = 8
     # measured here: sampling at temperature 1.0 with lr 5e-5..3e-4 and beta 0.05..0.2 first lifted held-out
     # accuracy to ~60% and then lost it (too many wrong worked solutions); temperature 0.7 with lr 2e-5 kept it
-    lr=2e-5, warmup_steps=20, stable_steps=180, decay_steps=100, lr_floor=0.1,
+    lr=2e-5, warmup_steps=20, stable_steps=180, decay_steps=100, lr_floor=0.1, lr_decay="linear",
+    grad_clip=1.0,  # the official code does not clip; at this size clipping (and a linear decay) were what we tuned
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,  # constant beta
-    sync_every=4, initial_completions=256, m=0.95, capacity_per_query=64,
+    sync_every=4, initial_completions=64, m=0.95, capacity_per_query=64,  # the first step needs one batch
     eval_every=50, eval_size=0, eval_batch_size=100, log_every=10, checkpoint_every=100, searcher_timeout=60.0,
 )
 
+# The official GSM8K run (bbartoldson/TBA: launch_training_gsm8k.sh, configs/tba_rho1b_gsm8k.yml,
+# src/tba_trainer_gsm8k.py, src/buffer_utils.py) value for value; README "The paper preset" has the table.
 PAPER = dict(
-    run_dir="runs/gsm8k-paper",
+    run_dir="runs/gsm8k-paper", seed=42,  # the official trainer's seed (HF TrainingArguments default)
     model="realtreetune/rho-1b-sft-GSM8K",  # RhoMath-1B SFT on GSM8K (paper Sec. 5.1)
-    steps=700,  # Appendix B.1: the 700-step run
+    steps=700,  # 98,000 episodes / 140 per step
     dtype="auto", device="auto", searcher_device="auto", num_searchers=3,  # 3 searchers + 1 trainer, a GPU each
     trainer_threads=4, searcher_threads=4,
-    backend="auto",  # vLLM when installed, as the official code uses
-    prompts_per_search=7, samples_per_prompt=24,  # S = 24 samples per prompt
-    temperature=0.7, max_new_tokens=512, max_prompt_tokens=512,  # Table 2: prompt and response up to 512 tokens
-    batch_size=140, responses_per_query=20, micro_batch_queries=1,  # 7 prompts x K = 20
-    lr=1e-5, warmup_steps=50, stable_steps=350, decay_steps=600,  # WSD, official launch script
-    beta_start=0.014, beta_end=0.004, beta_decay_steps=500,  # Table 2
-    sync_every=2, m=0.95, initial_completions=500,  # Table 2
-    eval_every=0, eval_size=0, eval_batch_size=64, log_every=1, checkpoint_every=50,
+    backend="auto", vllm_gpu_memory_utilization=0.2,  # vLLM on GPU searchers, as the official code
+    prompts_per_search=3, samples_per_prompt=24,  # S = 1.2 K; 72 sequences per vLLM call
+    temperature=0.7, max_new_tokens=512, max_prompt_tokens=256,  # official asserts every prompt fits in 256
+    batch_size=140, responses_per_query=20, micro_batch_queries=1,  # 7 prompts x K = 20, one prompt per backward
+    lr=1e-5, warmup_steps=50, stable_steps=350, decay_steps=600, lr_decay="cosine",  # get_wsd_schedule, cut at 700
+    grad_clip=0.0,  # no clipping: the official loop never calls clip_grad_norm_
+    beta_start=0.014, beta_end=0.004, beta_decay_steps=500,  # linear, no jump
+    sync_every=2, m=0.95, initial_completions=500, capacity_per_query=100, prioritization="uniform",
+    eval_every=0, eval_size=0, eval_batch_size=128, log_every=1, checkpoint_every=50,  # eval once, at the end
 )
 
 

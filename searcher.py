@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from buffer import Trajectory
-from loss import OBJECTIVE_INPUTS, make_batch, sequence_logprobs
+from loss import OBJECTIVE_INPUTS, make_batch, response_logprobs
 
 
 # -----------------------------------------------------------------------------
@@ -127,13 +127,19 @@ def cut_at_eos(ids, eos_id):
 
 
 @torch.no_grad()
-def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batch):
-    """Sequence log-probs of each (prompt, response) pair under `model`, micro_batch rows at a time. (N,) list"""
+def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batch, per_token=False):
+    """Log-probs of each (prompt, response) pair under `model`, micro_batch rows at a time: a list of
+    log pi(y|x), or with per_token a list of per-token tuples (one log-prob per response token)."""
     out = []
     for i in range(0, len(responses), micro_batch):
-        batch = make_batch(prompt_ids[i:i + micro_batch], responses[i:i + micro_batch], pad_id)
-        out.append(sequence_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu())
-    return torch.cat(out).tolist() if out else []
+        chunk = responses[i:i + micro_batch]
+        batch = make_batch(prompt_ids[i:i + micro_batch], chunk, pad_id)
+        token_logp = response_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu()  # (n, R)
+        if per_token:
+            out += [tuple(row[:len(r)]) for row, r in zip(token_logp.tolist(), chunk)]
+        else:
+            out += token_logp.sum(dim=1).tolist()
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -207,14 +213,15 @@ class Searcher:
         nan = [math.nan] * len(qids)
         prompts = [self.prompt_ids[q] for q in qids]
         pad = self.tokenizer.pad_token_id
-        behavior_logp = (score_logprobs(self.policy, prompts, responses, pad, T, cfg.micro_batch)
-                         if self.policy is not None else nan)
+        behavior = (score_logprobs(self.policy, prompts, responses, pad, cfg.loss_temperature or cfg.temperature, cfg.micro_batch,
+                                   per_token=True) if self.policy is not None else [()] * len(qids))
         ref_logp = (score_logprobs(self.ref, prompts, responses, pad, cfg.loss_temperature or cfg.temperature,
                                    cfg.micro_batch) if self.ref is not None else nan)
         ref_version = ref_version if self.ref is not None else -1
         return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
-                           behavior_logp=float(b), ref_logp=float(lr), ref_version=ref_version)
-                for q, r, rw, b, lr in zip(qids, responses, rewards, behavior_logp, ref_logp)]
+                           behavior_logp=math.fsum(b) if b else math.nan, behavior_token_logp=b, ref_logp=float(lr),
+                           ref_version=ref_version)
+                for q, r, rw, b, lr in zip(qids, responses, rewards, behavior, ref_logp)]
 
 
 # -----------------------------------------------------------------------------

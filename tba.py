@@ -44,8 +44,8 @@ from tqdm import tqdm
 
 from buffer import ReplayBuffer
 from checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
-from config import ConfigError, RunError, Stopped
-from loss import beta_schedule, make_batch, objective_loss, sequence_logprobs, tb_log_Z, wsd_lr_multiplier
+from config import LAUNCHED, ConfigError, RunError, Stopped
+from loss import OBJECTIVE_INPUTS, beta_schedule, make_batch, objective_loss, response_logprobs, tb_log_Z, wsd_schedule
 from rollout import SearcherDied, StopRequested, make_rollout
 from searcher import Policy, dtype_of, load_model, score_logprobs
 
@@ -116,6 +116,7 @@ class Run:
     rollout: object = None
     metrics_path: str = ""
     meter: object = None
+    lr_at: object = None  # step -> learning-rate multiplier
 
 
 def setup(cfg, task, rollout):
@@ -129,6 +130,7 @@ def setup(cfg, task, rollout):
     run = Run(cfg, task, policy, ref, tokenizer, torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay),
               ReplayBuffer(cfg.capacity_per_query, cfg.seed), tokenizer(task.prompts)["input_ids"],
               {"ref_version": 0, "searcher_version": 0, "fresh_reward": math.nan, "skipped": 0, "before": None})
+    run.lr_at = wsd_schedule(run.opt, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
     if cfg.resume:
         run.state = restore(run)
         run.start = run.state.pop("step")
@@ -170,8 +172,9 @@ def restore(run):
 def finish(run):
     """The final evaluation, the trained policy saved, before/after written to result.json and printed."""
     cfg, task = run.cfg, run.task
-    after = evaluate(run, cfg.steps)
-    write_metrics(run, {"step": cfg.steps, **after})
+    record = evaluate(run, cfg.steps)
+    write_metrics(run, {"step": cfg.steps, **record})
+    after = {k: v for k, v in record.items() if k.startswith("eval/")}
     final_dir = os.path.join(cfg.run_dir, "final")
     run.policy.save_pretrained(final_dir)
     run.tokenizer.save_pretrained(final_dir)
@@ -219,9 +222,13 @@ def merge(run, step):
     fresh = run.rollout.merge(run.buffer, step)
     run.state["fresh_count"] = len(fresh)
     if step == run.start:
-        run.meter.restart(run.rollout.received)  # rates count from the first trained step on
-    elif not fresh:
+        run.meter.restart()  # rates count from the first trained step on, after the initial fill
+    else:
+        run.meter.count(fresh)
+    if step > run.start and not fresh:
         tqdm.write(f"sync at step {step}: no new trajectories from the searchers (training on the buffer's older ones)")
+    if run.buffer.latest_round != run.state.get("round", 0):  # the merge formed a new latest round
+        run.state["round"], run.state["round_step"] = run.buffer.latest_round, step
     if fresh:
         run.state["fresh_reward"] = float(np.mean([t.reward for t in fresh]))
         run.state["searcher_version"] = max(run.state["searcher_version"], max(t.policy_version for t in fresh))
@@ -240,34 +247,50 @@ def train_step(run, groups, step):
     Q, K = len(groups), len(groups[0])
     T = cfg.loss_temperature or cfg.temperature
     beta = beta_schedule(step, cfg.beta_start, cfg.beta_end, cfg.beta_decay_steps, cfg.beta_stop_step)
-    lr = cfg.lr * wsd_lr_multiplier(step, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor)
+    lr = cfg.lr * run.lr_at(step)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    refresh_ref_logp(run, [t for g in groups for t in g], T)
-    grid = lambda values, q: torch.tensor(values, dtype=torch.float32, device=cfg.device).view(q, K)
+    if "ref_logp" in OBJECTIVE_INPUTS[cfg.objective]:  # (GRPO has no KL term: its kl and log_Z are not logged)
+        refresh_ref_logp(run, [t for g in groups for t in g], T)
     total, logps = 0.0, []
     for i in range(0, Q, cfg.micro_batch_queries):
         chunk = [t for g in groups[i:i + cfg.micro_batch_queries] for t in g]
         q = len(chunk) // K
         batch = make_batch([run.prompt_ids[t.query_id] for t in chunk], [t.response_ids for t in chunk], run.tokenizer.pad_token_id)
-        logp = sequence_logprobs(policy, *(b.to(cfg.device) for b in batch), T).view(q, K)  # (q, K)
-        behavior_logp = logp.detach() if cfg.sync else grid([t.behavior_logp for t in chunk], q)  # (q, K) on-policy: pi
-        loss = objective_loss(cfg.objective, logp, grid([t.ref_logp for t in chunk], q), behavior_logp,
-                              grid([t.reward for t in chunk], q), beta, grid([len(t.response_ids) for t in chunk], q))
+        token_logp = response_logprobs(policy, *(b.to(cfg.device) for b in batch), T)  # (q K, R) with grad
+        x = loss_inputs(chunk, token_logp, q, K, cfg.device, on_policy=cfg.sync)
+        loss = objective_loss(cfg.objective, x, beta, cfg.max_new_tokens)
         (loss * q / Q).backward()
         total += loss.item() * q / Q
-        logps.append(logp.detach().cpu())
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item()
+        logps.append(x["logp"].detach().cpu())
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or math.inf).item()  # (0: measure only)
     finite = math.isfinite(total) and math.isfinite(grad_norm)
     if finite:
         run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     logp = torch.cat(logps)  # (Q, K)
     ref_logp, reward = (torch.tensor([[getattr(t, a) for t in g] for g in groups]) for a in ("ref_logp", "reward"))  # (Q, K)
-    return {"loss/train": total, "loss/log_Z": tb_log_Z(logp, ref_logp, reward, beta).mean().item(),
+    log_Z = tb_log_Z(logp, ref_logp, reward, beta)  # (Q,)
+    return {"loss/train": total, "loss/log_Z": log_Z.mean().item(), "loss/log_Z_std": log_Z.std().item() if Q > 1 else 0.0,
             "loss/kl": (logp - ref_logp).mean().item(), "grad/norm": grad_norm, "grad/skipped": int(not finite),
             "reward/batch": reward.mean().item(), "sched/beta": beta, "sched/lr": lr,
             "response/tokens": float(np.mean([len(t.response_ids) for g in groups for t in g]))}
+
+
+def loss_inputs(chunk, token_logp, q, K, device, on_policy):
+    """The objective's inputs for q groups of K trajectories (loss.objective_loss): (q, K) and (q, K, R)."""
+    R = token_logp.shape[1]
+    grid = lambda values: torch.tensor(values, dtype=torch.float32, device=device).view(q, K)  # (q, K)
+    padded = lambda rows: torch.tensor([list(r) + [0.0] * (R - len(r)) for r in rows], device=device).view(q, K, R)
+    x = {"token_logp": token_logp.view(q, K, R), "logp": token_logp.sum(dim=1).view(q, K),
+         "mask": padded([[1.0] * len(t.response_ids) for t in chunk]),
+         "ref_logp": grid([t.ref_logp for t in chunk]), "reward": grid([t.reward for t in chunk])}
+    if on_policy:  # --sync: the policy that sampled the batch is the current one, so the ratios are 1
+        x["behavior_logp"], x["behavior_token_logp"] = x["logp"].detach(), x["token_logp"].detach()
+    else:
+        x["behavior_logp"] = grid([t.behavior_logp for t in chunk])
+        x["behavior_token_logp"] = padded([t.behavior_token_logp for t in chunk])
+    return x
 
 
 def refresh_ref_logp(run, trajectories, temperature):
@@ -289,12 +312,13 @@ def log(run, m, groups, step, t_step):
         raise NonFiniteError(f"{state['nonfinite_run']} steps in a row had a non-finite loss or gradient (step {step}); "
                              f"stopping (--max-nonfinite-steps {run.cfg.max_nonfinite_steps})")
     run.meter.busy += m["time/train"]
-    m.update({"reward/fresh": state["fresh_reward"], "buffer/fresh": state["fresh_count"], "grad/skipped_total": state["skipped"],
+    m.update({"reward/fresh": state["fresh_reward"], "buffer/fresh": state["fresh_count"],
+              "buffer/round_age": step - state["round_step"], "grad/skipped_total": state["skipped"],
               "buffer/size": len(run.buffer), "buffer/queries": run.buffer.num_queries,
               "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": state["ref_version"],
               "searcher/version": state["searcher_version"], "searcher/restarts": run.rollout.restarts,
-              **staleness_stats(groups, step, run.buffer), **run.meter.rates(run.rollout.received, started=step > run.start),
-              "time/step": time.time() - t_step, "time/elapsed": run.meter.elapsed()})
+              **staleness_stats(groups, step, run.buffer), **run.meter.rates(started=step > run.start),
+              "time/step": time.time() - t_step, **run.meter.times()})
     write_metrics(run, m)
     if step % run.cfg.log_every == 0 or step == run.cfg.steps - 1:
         tqdm.write(format_line(m))
@@ -319,7 +343,7 @@ def evaluate(run, step):
                + (f" | e.g. {example.strip()[:100]!r}" if example is not None else ""))
     metrics = {f"eval/{k}": v for k, v in metrics.items()}
     run.state["before"] = run.state["before"] or metrics  # the run's first evaluation, kept across resumes
-    return metrics
+    return {**metrics, "time/eval_since_launch": time.time() - LAUNCHED - run.meter.eval}  # (evaluation excluded)
 
 
 def staleness_stats(groups, step, buffer):
@@ -327,7 +351,8 @@ def staleness_stats(groups, step, buffer):
     s = ReplayBuffer.staleness(groups, step)
     in_round = {id(t) for items in buffer.latest.values() for t in items}
     latest = [step - t.policy_version for g in groups for t in g if id(t) in in_round]
-    return {"staleness/mean": float(s.mean()), "staleness/p50": float(np.percentile(s, 50)),
+    return {"buffer/latest_frac": sum(id(g[0]) in in_round for g in groups) / len(groups),  # the realised m
+            "staleness/mean": float(s.mean()), "staleness/p50": float(np.percentile(s, 50)),
             "staleness/p90": float(np.percentile(s, 90)), "staleness/max": int(s.max()),
             "staleness/latest_max": max(latest, default=-1), "staleness/hist": np.bincount(s).tolist()}
 
@@ -350,25 +375,30 @@ def format_line(m):
 
 
 class Meter:
-    """Wall-clock accounting from the first trained step on: busy time, eval time, samples received."""
+    """Wall-clock accounting, evaluation time always excluded. Rates (trajectories and tokens received,
+    the trainer's busy fraction) count from the first trained step on, after the initial fill."""
 
     def __init__(self):
         self.start = self.t0 = time.time()
-        self.busy, self.eval, self.eval0, self.received0 = 0.0, 0.0, 0.0, 0
+        self.busy, self.eval, self.eval0, self.samples, self.tokens = 0.0, 0.0, 0.0, 0, 0
 
-    def elapsed(self):
-        """Seconds since the rollout started (initial fill included), evaluation excluded."""
-        return time.time() - self.start - self.eval
+    def times(self):
+        return {"time/elapsed": time.time() - self.start - self.eval,  # since setup (initial fill included)
+                "time/since_launch": time.time() - LAUNCHED - self.eval, "time/eval": self.eval}
 
-    def restart(self, received):
-        self.t0, self.busy, self.received0, self.eval0 = time.time(), 0.0, received, self.eval
+    def restart(self):
+        self.t0, self.busy, self.eval0, self.samples, self.tokens = time.time(), 0.0, self.eval, 0, 0
 
-    def rates(self, received, started):
-        wall = time.time() - self.t0 - (self.eval - self.eval0)  # evaluation pauses the clock
+    def count(self, trajectories):
+        self.samples += len(trajectories)
+        self.tokens += sum(len(t.response_ids) for t in trajectories)
+
+    def rates(self, started):
+        wall = time.time() - self.t0 - (self.eval - self.eval0)
         if not started or wall <= 0:
-            return {"perf/samples_per_s": math.nan, "perf/busy": math.nan, "time/eval": self.eval}
-        return {"perf/samples_per_s": (received - self.received0) / wall, "perf/busy": self.busy / wall,
-                "time/eval": self.eval}
+            return {"perf/samples_per_s": math.nan, "perf/tokens_per_s": math.nan, "perf/busy": math.nan}
+        return {"perf/samples_per_s": self.samples / wall, "perf/tokens_per_s": self.tokens / wall,
+                "perf/busy": self.busy / wall}
 
 
 class StopOnSignal:

@@ -6,6 +6,7 @@ Run: python -m pytest -q test_tba.py
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import torch
 
 from buffer import ReplayBuffer, Trajectory
 from loss import (beta_schedule, dr_grpo_loss, grpo_loss, make_batch, rloo_loss, sequence_logprobs,
-                  vargrad_tb_loss, wsd_lr_multiplier)
+                  vargrad_tb_loss, wsd_schedule)
 from config import ConfigError
 from rewards import GSM8KTask, extract_answer, gold_answer, gsm8k_reward, load_gsm8k
 
@@ -126,32 +127,94 @@ def test_beta_schedule():
     assert beta_schedule(200, 0.1, 0.01, 1000, stop_step=200) == pytest.approx(0.01), "jumps to beta_end at stop_step"
 
 
-def test_wsd_lr_multiplier():
-    lr = lambda s: wsd_lr_multiplier(s, warmup=50, stable=350, decay=600, floor=0.1)
-    assert lr(0) == pytest.approx(1 / 50) and lr(49) == pytest.approx(1.0)
-    assert lr(50) == 1.0 and lr(399) == 1.0
-    assert lr(400) == pytest.approx(1.0) and lr(700) == pytest.approx(1 - 0.9 * 300 / 600)
-    assert lr(1000) == pytest.approx(0.1) and lr(5000) == pytest.approx(0.1)
+def test_wsd_schedule_cosine_as_official_and_linear():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    # official GSM8K: warmup 50, stable 350, cosine decay over 600, stopped at step 700; update u uses lambda(u)
+    lr = wsd_schedule(opt, warmup=50, stable=350, decay=600)
+    assert lr(0) == pytest.approx(1 / 50) and lr(48) == pytest.approx(49 / 50) and lr(49) == 1.0
+    assert lr(398) == 1.0 and lr(549) == pytest.approx(0.5 * (1 + math.cos(math.pi * 150 / 600)))
+    assert lr(699) == pytest.approx(0.5), "the official 700-step run ends halfway down the cosine (lr 5e-6)"
+    assert lr(999) == pytest.approx(0.0) and lr(5000) == 0.0
+    linear = wsd_schedule(opt, warmup=0, stable=0, decay=256, decay_type="linear")  # TL;DR: linear, no warmup
+    assert linear(0) == pytest.approx(255 / 256) and linear(127) == pytest.approx(0.5) and linear(255) == 0.0
+    floored = wsd_schedule(opt, warmup=10, stable=10, decay=10, floor=0.1, decay_type="linear")
+    assert floored(24) == pytest.approx(0.1 + 0.9 * 0.5) and floored(100) == pytest.approx(0.1)
 
 
-def test_rloo_gradient_is_leave_one_out_advantage():
+def test_rloo_as_trl_hand_computed():
+    # R = r - beta (behavior - ref) = (1 - 0.1, 0, 0 - 0.1 * 2) = (0.9, 0, -0.2); A = R - mean of the others
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    behavior = torch.tensor([[-1.0, -2.0, -3.0]])  # on-policy: ratios 1
+    ref = torch.tensor([[-2.0, -2.0, -5.0]])
     reward = torch.tensor([[1.0, 0.0, 0.0]])
-    rloo_loss(logp, logp.detach().clone(), reward, beta=0.1).backward()  # kl = 0
-    # A_k = r_k - mean of the others: (1, -0.5, -0.5); grad = -A / (Q K)
-    np.testing.assert_allclose(logp.grad.numpy(), [[-1 / 3, 0.5 / 3, 0.5 / 3]], atol=1e-6)
+    loss = rloo_loss(logp, behavior, ref, reward, beta=0.1)
+    A = torch.tensor([0.9 - (0 - 0.2) / 2, 0 - (0.9 - 0.2) / 2, -0.2 - (0.9 + 0) / 2])
+    assert loss.item() == pytest.approx(-A.mean().item(), abs=1e-6)
+    loss.backward()
+    np.testing.assert_allclose(logp.grad.numpy(), [(-A / 3).numpy()], atol=1e-6)
+    # a stale sample whose ratio left [0.8, 1.2] in the direction of its advantage gets no gradient
+    logp = torch.tensor([[-0.5, -2.0, -3.0]], requires_grad=True)  # rho_0 = e^0.5 > 1.2, A_0 > 0
+    rloo_loss(logp, behavior, ref, reward, beta=0.1).backward()
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() != 0.0
 
 
-def test_grpo_clips_ratio_and_dr_grpo_skips_normalisation():
-    behavior = torch.zeros(1, 2)
+def test_tb_gradient_is_a_multiple_of_rloo_with_kl_in_the_reward():
+    # on a real (tiny, random) Llama: same batch, TB vs on-policy RLOO, every parameter's gradient
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from loss import tb_rloo_gradient_ratio
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    Q, K, beta = 2, 4, 0.3
+    prompts = [[1, 5, 6], [1, 7, 8, 9]]
+    responses = [[int(v) for v in torch.randint(10, 40, (int(n),))] for n in torch.randint(1, 6, (Q * K,))]
+    batch = make_batch([prompts[i // K] for i in range(Q * K)], responses, 0)
+    ref_logp = -5 * torch.rand(Q, K)
+    reward = torch.randint(0, 2, (Q, K)).float()
+
+    def grads(loss_fn):
+        model.zero_grad()
+        logp = sequence_logprobs(model, *batch).view(Q, K)
+        loss_fn(logp).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    g_tb = grads(lambda logp: vargrad_tb_loss(logp, ref_logp, reward, beta))
+    g_rloo = grads(lambda logp: rloo_loss(logp, logp.detach(), ref_logp, reward, beta))
+    ratio = tb_rloo_gradient_ratio(K, beta)
+    assert ratio == pytest.approx(2 * 3 / (0.3 * 4))
+    worst = (g_tb - ratio * g_rloo).abs().max() / g_tb.abs().max()  # float32 rounding (Llama's RMSNorm is float32)
+    assert worst < 1e-5, f"TB gradient != {ratio} x RLOO gradient (relative error {worst:.1e})"
+
+
+def test_grpo_per_token_ratio_clipping_and_normalisations():
+    # two responses of 2 and 1 tokens; rewards (1, 0): A = (0.5, -0.5) (/ std 0.7071 with scale_rewards)
+    mask = torch.tensor([[[1.0, 1.0], [1.0, 0.0]]])  # (Q=1, K=2, T=2)
+    behavior = torch.zeros(1, 2, 2)
     reward = torch.tensor([[1.0, 0.0]])
-    logp = torch.tensor([[0.5, 0.0]], requires_grad=True)  # ratio e^0.5 > 1.2 for the positive advantage
-    grpo_loss(logp, behavior, reward).backward()
-    assert logp.grad[0, 0].item() == 0.0, "a clipped ratio with positive advantage gets no gradient"
-    logp = torch.zeros(1, 2, requires_grad=True)
-    dr_grpo_loss(logp, behavior, reward).backward()
-    # A = r - mean = (0.5, -0.5), no std division; grad = -A / 2
-    np.testing.assert_allclose(logp.grad.numpy(), [[-0.25, 0.25]], atol=1e-6)
+    token_logp = torch.zeros(1, 2, 2, requires_grad=True)  # on-policy: every ratio is 1
+    A = 0.5 / (2 ** 0.5 / 2 + 1e-4)
+    # per-token losses: -A, -A on response 0; +A on response 1 (its padding is masked out)
+    assert grpo_loss(token_logp, behavior, mask, reward).item() == pytest.approx(-A / 3, abs=1e-6)  # dapo: / 3 tokens
+    assert grpo_loss(token_logp, behavior, mask, reward, loss_type="grpo").item() == pytest.approx((-A + A) / 2, abs=1e-6)
+    dr = dr_grpo_loss(token_logp, behavior, mask, reward, max_tokens=4)  # no std; / (2 sequences x 4 tokens)
+    assert dr.item() == pytest.approx((-0.5 - 0.5 + 0.5) / 8, abs=1e-6)
+    token_logp = torch.tensor([[[0.5, 0.0], [0.0, 0.0]]], requires_grad=True)  # token 0 of response 0: ratio e^0.5
+    grpo_loss(token_logp, behavior, mask, reward).backward()
+    assert token_logp.grad[0, 0, 0].item() == 0.0, "clipped, positive advantage: no gradient"
+    assert token_logp.grad[0, 0, 1].item() == pytest.approx(-A / 3, abs=1e-6), "the other token still learns"
+
+
+def test_online_dpo_best_vs_worst_and_ties():
+    from loss import online_dpo_loss
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0, -2.0], [0.0, 0.0, 0.0]])
+    reward = torch.tensor([[0.0, 1.0, 0.5], [1.0, 1.0, 1.0]])  # query 1 is a tie: no pair
+    beta = 0.5
+    # query 0: winner is response 1 (margin 0), loser response 0 (margin 0.5): h = 0.5 * (0 - 0.5)
+    want = -math.log(1 / (1 + math.exp(0.25))) / 2
+    loss = online_dpo_loss(logp, ref, reward, beta)
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+    loss.backward()
+    assert logp.grad[1].abs().sum().item() == 0.0 and logp.grad[0, 2].item() == 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -192,7 +255,7 @@ def test_buffer_m1_draws_only_latest_round():
 def test_buffer_round_min_version_keeps_late_items_out_of_round():
     buf = ReplayBuffer(capacity_per_query=100, seed=0)
     buf.add([traj(0, [1], version=4), traj(1, [2], version=2)], round_min_version=4)
-    assert buf.latest_ids == [0] and len(buf) == 2
+    assert list(buf.latest) == [0] and len(buf) == 2
     assert all(t.query_id == 0 for g in buf.sample(50, 1, m=1.0) for t in g)
 
 
@@ -202,6 +265,27 @@ def test_buffer_m0_uniform_queries():
     buf.add([traj(9, [0], version=1)])
     counts = np.bincount([g[0].query_id for g in buf.sample(10000, 1, m=0.0)], minlength=10)
     np.testing.assert_allclose(counts[[0, 1, 2, 3, 9]] / 10000, 0.2, atol=0.02)
+
+
+def test_buffer_queries_are_dealt_without_replacement():
+    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf.add([traj(q, [i], version=0) for q in range(6) for i in range(3)])
+    for _ in range(3):  # every 6 draws see each query once, for the latest round (m=1) and for all (m=0)
+        assert sorted(g[0].query_id for g in buf.sample(6, 2, m=1.0)) == list(range(6))
+        assert sorted(g[0].query_id for g in buf.sample(6, 2, m=0.0)) == list(range(6))
+
+
+def test_buffer_empty_sync_keeps_the_last_online_round():
+    # the official buffer: a sync that brings no new data leaves the last online prompt set in place,
+    # and the next draws still come from it, without replacement
+    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf.add([traj(q, [q, i], version=0) for q in range(5) for i in range(4)])
+    assert buf.add([traj(q, [q, 100 + i], version=2) for q in (7, 8, 9) for i in range(4)]) == 12
+    assert buf.add([]) == 0, "an empty sync"
+    assert buf.add([traj(0, [0, 50], version=1)], round_min_version=2) == 0, "only a late item: nothing new either"
+    assert set(buf.latest) == {7, 8, 9}
+    drawn = [g[0].query_id for g in buf.sample(6, 2, m=1.0)]
+    assert sorted(drawn[:3]) == sorted(drawn[3:]) == [7, 8, 9]
 
 
 def test_buffer_softmax_frequencies():
@@ -316,7 +400,7 @@ def test_smoke_run_writes_metrics(tmp_path, cache_dir):
     rows = read_metrics(tmp_path, evals=True)
     assert [r["step"] for r in rows] == list(range(13)), "12 training records, then the final evaluation's"
     final = rows.pop()
-    assert set(final) == {"step", "eval/accuracy", "eval/response_tokens"}
+    assert set(final) == {"step", "eval/accuracy", "eval/response_tokens", "time/eval_since_launch"}
     assert "eval/accuracy" in rows[0], "the evaluation before training is in the record of step 0"
     keys = {"loss/train", "loss/log_Z", "loss/kl", "reward/batch", "reward/fresh", "sched/beta", "sched/lr",
             "buffer/size", "staleness/mean", "staleness/max", "staleness/hist", "perf/samples_per_s", "perf/busy"}
@@ -400,14 +484,23 @@ def test_killed_searcher_ends_run_nonzero_without_orphans(tmp_path, cache_dir):
     assert not [p for p in children if _alive(p)], "processes outlived the run"
 
 
-def test_ctrl_c_stops_everything(tmp_path, cache_dir):
+@pytest.mark.parametrize("signum,group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)])
+def test_stop_signal_checkpoints_and_stops_everything(tmp_path, cache_dir, signum, group):
+    # Ctrl-C reaches the whole process group; Slurm, Docker and systemd send SIGTERM to the trainer
     proc = _start_and_wait_for_training(tmp_path, cache_dir)
     children = _children(proc.pid)
     t0 = time.time()
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-    proc.communicate(timeout=30)
-    rc = proc.returncode
-    assert rc != 0 and time.time() - t0 < 10
+    os.killpg(proc.pid, signum) if group else os.kill(proc.pid, signum)
+    rest, _ = proc.communicate(timeout=60)
+    seconds = time.time() - t0
+    assert proc.returncode == 128 + signum, rest[-2000:]
+    name = signal.Signals(signum).name
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {name}; checkpoint ") and "continue with --resume" in last, last
+    assert "Traceback" not in rest
+    assert seconds < 20, f"stopping took {seconds:.1f} s"
+    step = int(re.search(r"step-(\d+)", last).group(1))
+    assert json.load(open(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / "state.json"))["step"] == step
     time.sleep(0.5)
     assert not [p for p in children if _alive(p)], "processes outlived the run"
 
@@ -549,11 +642,14 @@ def test_paper_preset_dry_run_prints_paper_values():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     values = {k.strip(): v for k, v in (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)}
+    # the official GSM8K run (bbartoldson/TBA launch script, config and trainer), value for value
     want = {"model": "realtreetune/rho-1b-sft-GSM8K", "lr": "1e-05", "warmup_steps": "50", "stable_steps": "350",
-            "decay_steps": "600", "temperature": "0.7", "max_new_tokens": "512", "batch_size": "140",
-            "responses_per_query": "20", "samples_per_prompt": "24", "m": "0.95", "sync_every": "2",
-            "beta_start": "0.014", "beta_end": "0.004", "beta_decay_steps": "500", "num_searchers": "3",
-            "initial_completions": "500", "steps": "700", "max_prompt_tokens": "512"}
+            "decay_steps": "600", "lr_decay": "cosine", "grad_clip": "0.0", "temperature": "0.7",
+            "max_new_tokens": "512", "batch_size": "140", "responses_per_query": "20", "samples_per_prompt": "24",
+            "m": "0.95", "sync_every": "2", "beta_start": "0.014", "beta_end": "0.004", "beta_decay_steps": "500",
+            "beta_stop_step": "None", "num_searchers": "3", "initial_completions": "500", "steps": "700",
+            "max_prompt_tokens": "256", "capacity_per_query": "100", "prioritization": "uniform", "seed": "42",
+            "loss_temperature": "None", "eval_every": "0", "prompts_per_search": "3", "weight_decay": "0.0"}
     assert {k: values[k].strip() for k in want} == want
     assert "process-to-device plan" in out.stdout and "searcher-2" in out.stdout
 
@@ -726,3 +822,231 @@ def test_gsm8k_download_error_when_offline(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="could not download GSM8K train .*pass --data-dir"):
         gsm8k_path("train", "", str(tmp_path))
     assert gsm8k_path("test", "/some/dir", str(tmp_path)) == "/some/dir/test.jsonl", "--data-dir wins, no download"
+
+
+# -----------------------------------------------------------------------------
+# Runs that never lose work (issue 11): bad flags, run directories, resume, dead and stuck processes
+
+def _cli(tmp_path, *flags):
+    """run_gsm8k's entry point in this process: (exit code, stderr lines)."""
+    import run_gsm8k
+    import multiprocessing
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        old, sys.stderr = sys.stderr, f
+        try:
+            rc = run_gsm8k.cli(list(flags))
+        finally:
+            sys.stderr = old
+    assert not multiprocessing.active_children(), "a refused run spawned processes"
+    return rc, err.read_text().strip().splitlines()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--responses-per-query", "0"], "--responses-per-query must be > 0"),
+    (["--micro-batch-queries", "0"], "--micro-batch-queries must be > 0"),
+    (["--log-every", "0"], "--log-every must be > 0"),
+    (["--reward-temp", "0"], "--reward-temp must be a finite number > 0"),
+    (["--prompts-per-search", "0"], "--prompts-per-search must be > 0"),
+    (["--micro-batch", "0"], "--micro-batch must be > 0"),
+    (["--searcher-device", "cuda:0"], "--searcher-device cuda:0: 0 CUDA device(s) visible"),
+    (["--device", "cuda:0"], "--device cuda:0: 0 CUDA device(s) visible"),
+    (["--device", "gpu"], "--device gpu: expected auto, cpu or cuda:N"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--capacity-per-query", "0"], "--capacity-per-query must be > 0"),
+    (["--trainer-threads", "0"], "--trainer-threads must be > 0"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be > 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be > 0"),
+    (["--objective", "ppo"], "--objective must be one of tb, rloo, grpo, dr_grpo"),
+    (["--lr-decay", "step"], "--lr-decay must be cosine or linear"),
+    (["--model", "does-not-exist"], "--model does-not-exist: no such directory, and not a hub id"),
+])
+def test_every_bad_flag_is_one_line_before_anything_starts(tmp_path, flags, message):
+    rc, err = _cli(tmp_path, "--run-dir", str(tmp_path / "run"), *flags)
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not os.path.exists(tmp_path / "run"), "nothing is written for a refused run"
+
+
+def test_model_directory_without_config_is_named(tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    rc, err = _cli(tmp_path, "--run-dir", str(tmp_path / "run"), "--model", str(tmp_path / "not-a-model"))
+    assert rc == 2 and err == [f"error: --model {tmp_path / 'not-a-model'} is a directory without config.json; "
+                               "expected a save_pretrained directory or a hub id"]
+
+
+def test_data_files_utf8_bom_nonutf8_and_long_lines(tmp_path):
+    from rewards import MAX_LINE_BYTES
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "q", "answer": "#### 1"}).encode() + b"\n")
+    assert load_gsm8k(str(bom)) == [{"question": "q", "answer": "#### 1"}], "a UTF-8 byte-order mark is fine"
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(ConfigError, match=r"latin1.jsonl:2: not UTF-8"):
+        load_gsm8k(str(latin))
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"question": "x" * (MAX_LINE_BYTES + 10), "answer": "#### 1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"long.jsonl:1: line longer than"):
+        load_gsm8k(str(long))
+
+
+def test_bad_data_dir_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "data"
+    bad.mkdir()
+    (bad / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{oops\n')
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--preset", "paper", "--device", "cpu",
+                          "--searcher-device", "cpu", "--data-dir", str(bad), "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {bad / 'train.jsonl'}:2: not valid JSON " \
+                                                         "(Expecting property name enclosed in double quotes)"
+
+
+def test_run_dir_belongs_to_one_run(tmp_path, cache_dir):
+    proc = _start_and_wait_for_training(tmp_path, cache_dir)
+    try:
+        second = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "2"), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2
+        assert second.stderr.strip() == f"error: --run-dir {tmp_path / 'run'} is in use by another run (pid {proc.pid})"
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, "the first run was not disturbed by the second"
+    # the directory now holds a run: a new one needs --resume or --overwrite
+    rc, err = _cli(tmp_path, *tiny_args(tmp_path, cache_dir)[2:])
+    assert rc == 2 and err[0].startswith(f"error: --run-dir {tmp_path / 'run'} holds an earlier run (config.json, "
+                                          "metrics.jsonl, checkpoints); continue it with --resume")
+    rc, err = _cli(tmp_path, "--resume", str(tmp_path / "run"), "--run-dir", str(tmp_path / "elsewhere"))
+    assert rc == 2 and err == [f"error: --resume {tmp_path / 'run'} continues that run in its own directory; "
+                               f"drop --run-dir {tmp_path / 'elsewhere'}"]
+
+
+def test_resume_refuses_a_changed_run_accepts_harmless_changes_and_falls_back(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    first = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "6", "--checkpoint-every", "2", "--eval-every", "0"),
+                           capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resume = ["--resume", str(run), *tiny_args(tmp_path, cache_dir)[4:6], *tiny_args(tmp_path, cache_dir)[8:]]
+    rc, err = _cli(tmp_path, *resume, "--lr", "1e-4", "--objective", "rloo")
+    assert rc == 2 and err == [f"error: --resume {run}: the run was saved with --objective tb --lr 2e-05, "
+                               "now --objective rloo --lr 0.0001; pass --allow-config-change to continue anyway"]
+    rc, err = _cli(tmp_path, *resume, "--sync")
+    assert rc == 2 and "the run was saved with --sync False, now --sync True" in err[0]
+    # the newest checkpoint is corrupt: resume names the file and uses the one before; --steps may change
+    (run / "checkpoints" / "step-000006" / "policy" / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_gsm8k.py"), *resume, "--steps", "8", "--log-every", "2"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"cannot resume from {run / 'checkpoints' / 'step-000006' / 'policy' / 'model.safetensors'}" in out.stdout
+    assert "resuming from" in out.stdout and "step-000004 at step 4" in out.stdout
+    changes = next(line for line in out.stdout.splitlines() if line.startswith("resume: changed since the checkpoint: "))
+    assert "--steps 6 -> 8" in changes and "--log-every 1 -> 2" in changes, changes
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7], "the metrics continue from the checkpoint that was used"
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert names == ["latest", "step-000006", "step-000008"], "the newest two by time: the rewritten 6 and 8"
+    assert open(run / "checkpoints" / "latest").read().strip() == "step-000008"
+
+
+def _descendants(pid):
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    children, found = {}, []
+    for p, pp in zip(out[::2], out[1::2]):
+        children.setdefault(int(pp), []).append(int(p))
+    todo = [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def _wait_gone(pids, seconds):
+    deadline = time.time() + seconds
+    while time.time() < deadline and [p for p in pids if _alive(p)]:
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def test_searchers_exit_when_the_trainer_is_killed_with_a_full_queue(tmp_path, cache_dir):
+    # merging only at step 0 leaves the searcher blocked on a full queue of 2 batches
+    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "100000", "--sync-every", "100000", "--queue-size", "2"))
+    watchdog = threading.Timer(150, proc.kill)
+    watchdog.start()
+    for line in proc.stdout:
+        if re.search(r"step\s+5 \| loss", line):
+            break
+    watchdog.cancel()
+    time.sleep(3)  # the searcher fills its queue and waits on put()
+    family = _descendants(proc.pid)
+    assert len(family) >= 2, "a searcher and multiprocessing's resource tracker"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    left = _wait_gone(family, 15)
+    assert not left, f"processes outlived the trainer: {left}"
+
+
+def test_searchers_exit_when_the_trainer_is_killed_before_their_job(tmp_path):
+    # a fresh cache: the trainer is busy with the SFT warm start while the searchers wait for their job
+    proc = _popen([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--cache-dir", str(tmp_path / "cache"),
+                   "--run-dir", str(tmp_path / "run"), "--tiny-train-size", "400", "--tiny-sft-steps", "100000"])
+    watchdog = threading.Timer(150, proc.kill)
+    watchdog.start()
+    for line in proc.stdout:
+        if "SFT of a" in line:
+            break
+    watchdog.cancel()
+    family = _descendants(proc.pid)
+    assert family, "the searcher starts before the warm start"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert not _wait_gone(family, 15), "processes outlived the trainer"
+
+
+def test_ctrl_c_during_the_sft_warm_start_exits_cleanly(tmp_path):
+    proc = _popen([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--cache-dir", str(tmp_path / "cache"),
+                   "--run-dir", str(tmp_path / "run"), "--tiny-train-size", "400", "--tiny-sft-steps", "100000"])
+    watchdog = threading.Timer(150, proc.kill)
+    watchdog.start()
+    for line in proc.stdout:
+        if "SFT of a" in line:
+            break
+    watchdog.cancel()
+    family = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
+    assert rest.strip().splitlines()[-1] == "stopped by SIGINT; before training started: nothing to resume; all processes stopped"
+    assert not [n for n in os.listdir(tmp_path / "cache") if ".tmp" in n], "no half-written warm start is left"
+    assert not _wait_gone(family, 15)
+
+
+def test_a_stopped_searcher_ends_the_run_naming_it(tmp_path, cache_dir):
+    # SIGSTOP the searcher as soon as it exists: the initial fill never completes
+    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "50", "--searcher-timeout", "6"))
+    family = []
+    deadline = time.time() + 60
+    while not family and time.time() < deadline:
+        family = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        time.sleep(0.05)
+    os.kill(family[0], signal.SIGSTOP)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, rest[-2000:]
+    assert re.search(r"error: searcher-0 \(pid \d+\) sent nothing for \d+ s \(--searcher-timeout 6.0\)", rest), rest[-2000:]
+    assert not _wait_gone(family, 15), "the stopped searcher was not cleaned up"
+
+
+def test_an_empty_sync_is_logged(capsys):
+    import tba
+    from types import SimpleNamespace
+
+    class Silent:
+        received = 64
+
+        def merge(self, buffer, step):
+            return []
+    run = SimpleNamespace(rollout=Silent(), buffer=ReplayBuffer(4), start=0, meter=tba.Meter(),
+                          state={"fresh_reward": 0.5, "searcher_version": 0})
+    tba.merge(run, 8)
+    assert "sync at step 8: no new trajectories from the searchers" in capsys.readouterr().out
+    assert run.state["fresh_count"] == 0
