@@ -1,161 +1,218 @@
 """
-Evidence for the paper's two claims, measured side by side on the tiny preset (one machine, one command):
+Evidence for the paper's claims, measured on the tiny presets with a protocol that can tell a result from
+noise. Every run is `python run_*.py --preset tiny ...` in a subprocess, on this machine's cores.
 
-  1. Asynchrony cuts wall-clock time. TBA (1 searcher + 1 trainer process, a core each) against the --sync
-     baseline (one process generating then training, both cores), same model, task, loss and batch:
-     wall-clock to a target held-out accuracy, samples/s, trainer busy fraction. From the sync run's
-     per-step generation time Tg and training time Tt it prints the ideal speedup of N searchers,
-         (Tg + Tt) / max(Tg / N, Tt)
-     (generation spread over N searchers, the trainer never waiting), next to the measured ratio.
-  2. TB is robust to off-policy, stale data. TB vs RLOO vs GRPO vs Dr. GRPO inside the asynchronous system
-     at sync periods k = 1, 4, 16 (staleness grows with k), final held-out accuracy over several seeds.
-  3. Ablations of the most-on-policy probability m and the sync period k, for TB.
+Protocol
+  - every cell is >= 4 seeds (the seed changes the SFT warm start, the data and the sampling);
+  - every run is the preset's full schedule, learning-rate decay included;
+  - the score of a run is the mean of its last 3 evaluations of the task's headline metric (one evaluation
+    is noisy: greedy accuracy of the tiny model moves by several points between neighbouring steps);
+  - a cell is reported as mean +- the half-width of a 95% Student-t interval over its seeds.
 
-Every run is `python run_gsm8k.py --preset tiny ...` in a subprocess; the tiny SFT warm start is trained
-once and shared. Output: markdown tables on stdout, results/results.csv (one row per run), and PNG plots
-of accuracy and reward against wall-clock (matplotlib, optional: `pip install matplotlib`).
+Experiments (--sections)
+  speed      async TBA vs the --sync baseline (same loss, batch and model): seconds from launch to the
+             first evaluation at or above --target (evaluation time excluded), start-up seconds (launch to
+             the first trainer step), final score, the trainer's busy fraction, searcher tokens/s.
+  staleness  sync period k in {1, 2, 4, 8, 16} for TB, RLOO and GRPO, with per-run diagnostics that can
+             explain the result: realised m (fraction of the batch from the latest round), mean and max
+             staleness, gradient norm, KL, spread of log Z across prompts.
+  buffer     most-on-policy probability m in {0, 0.5, 0.95} x prioritisation {softmax, uniform}, TB.
+  tba_prime  TB with beta decaying linearly against TBA' (constant beta, reference reset every rho steps).
+  tldr       the paper's Table 1 in miniature on the tiny TL;DR preset, at its most off-policy setting:
+             win rate and KL for TB, RLOO and Online DPO.
 
-Departures: the paper measures on GPUs with vLLM searchers; here both processes share 2 CPU cores, so the
-async speedup is bounded by how generation and training split the machine (see the printed bound).
+Output: one markdown table per section on stdout and in results/<section>.md, a PNG per section in
+results/ (matplotlib, optional), and every run as a row of results/runs.csv. Each file names the command,
+the date, the machine and the wall time that made it.
 
-Run: python bench.py            # the default comparisons (about 45 minutes on 2 cores)
-     python bench.py --quick    # a few short runs, under 5 minutes
+Departures: the paper measures on GPUs with vLLM searchers; here the searcher and the trainer share 2 CPU
+cores, so the async speedup is bounded by how the two processes split the machine (the speed section
+prints the bound).
+
+Run: python bench.py --quick     # a CI-sized check, under 20 minutes on 2 cores
+     python bench.py             # the full protocol; prints its expected wall time first
 """
 
 import csv
+import datetime
 import json
+import math
 import os
-import re
+import platform
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from tba import build_parser, knob
+from config import build_parser, knob
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
 class BenchConfig:
-    out: str = knob("results", "directory for results.csv, plots and the runs")
-    quick: bool = knob(False, "a few short runs (under 5 minutes), e.g. for CI")
-    steps: int = knob(150, "trainer steps per run")
-    seeds: int = knob(2, "seeds for the objectives comparison")
-    target: float = knob(0.7, "held-out accuracy for the time-to-target comparison")
-    eval_every: int = knob(50, "evaluate every this many steps in the objective and ablation runs")
-    speed_eval_every: int = knob(10, "evaluation period of the async-vs-sync runs (finer: time to target is read at evals)")
-    sections: str = knob("speed,objectives,ablations", "which comparisons to run (comma list)")
-    cache_dir: str = knob("~/.cache/tba", "where the tiny SFT warm start is cached")
+    out: str = knob("results", "directory for the tables, plots, runs.csv and the runs themselves")
+    quick: bool = knob(False, "a CI-sized check: 2 seeds, 60-step schedules, fewer cells (under 20 minutes)")
+    seeds: int = knob(4, "seeds per cell")
+    sections: str = knob("speed,staleness,buffer,tba_prime,tldr", "which experiments to run (comma list)")
+    target: float = knob(0.7, "headline score for the time-to-target comparison (GSM8K accuracy)")
+    eval_every: int = knob(25, "evaluate every this many steps (the score is the mean of the last 3 evaluations)")
+    speed_eval_every: int = knob(10, "evaluation period of the speed runs (time to target is read at evaluations)")
+    cache_dir: str = knob("~/.cache/tba", "where the tiny presets' warm starts are cached (shared by all runs)")
+    seconds_per_run: float = knob(150.0, "expected seconds per full run, for the wall-time estimate printed first")
 
 
-BASE = {"objective": "tb", "sync-every": "4", "m": "0.95", "seed": "0"}  # the tiny preset's values
-DONE = {}  # identical configurations run once: e.g. the m=0.95 and k=4 ablations are the TB k=4 seed-0 run
+QUICK_SCHEDULE = ["--steps", "60", "--warmup-steps", "5", "--stable-steps", "35", "--decay-steps", "20"]
 
 
-def run(cfg, name, flags, eval_every=None):
-    """One run of the tiny preset (reused if an identical one already ran); returns its summary and curves."""
-    overrides = dict(zip(flags[::2], flags[1::2])) if "--sync" not in flags else {"sync": name}
-    key = tuple(sorted({**BASE, **{k.lstrip("-"): v for k, v in overrides.items()}}.items())) + (eval_every,)
-    if key in DONE:
-        row, curves = DONE[key]
-        print(f"  {name:<28} (same configuration as {row['name']}: reused)", flush=True)
-        return {**row, "name": name, "flags": " ".join(flags)}, curves
-    DONE[key] = _run(cfg, name, flags, eval_every)
-    return DONE[key]
+# -----------------------------------------------------------------------------
+# One run, and a cell of runs
 
-
-def _run(cfg, name, flags, eval_every):
+def run(cfg, script, name, flags, seed, eval_every=None):
+    """One run of a task's tiny preset; returns its row: score, time to target, start-up, rates, diagnostics."""
     run_dir = os.path.join(cfg.out, "runs", name)
-    cmd = [sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--preset", "tiny", "--run-dir", run_dir,
-           "--cache-dir", cfg.cache_dir, "--steps", str(cfg.steps), "--eval-every", str(eval_every or cfg.eval_every),
-           "--log-every", "1000000", "--checkpoint-every", "0", *flags]
+    cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--run-dir", run_dir, "--overwrite",
+           "--cache-dir", cfg.cache_dir, "--seed", str(seed), "--eval-every", str(eval_every or cfg.eval_every),
+           "--log-every", "1000000", *(QUICK_SCHEDULE if cfg.quick else []), *flags]
     t0 = time.time()
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"run {name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    before, after = map(float, re.search(r"accuracy: before ([\d.]+)% -> after ([\d.]+)%", out.stdout).groups())
+        raise RuntimeError(f"run {name} failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f]
-    last = metrics[-1]
-    curve = [(0.0, before / 100)] + [(m["time/elapsed"], m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]
-    curve.append((last["time/elapsed"], after / 100))
-    hit = next((t for t, acc in curve if acc >= cfg.target), None)
-    row = {"name": name, "flags": " ".join(flags), "acc_before": before, "acc_after": after,
-           "train_wall_s": round(last["time/elapsed"], 1), "run_wall_s": round(time.time() - t0, 1),
-           "time_to_target_s": None if hit is None else round(hit, 1),
-           "samples_per_s": round(last["perf/samples_per_s"], 1), "busy": round(last["perf/busy"], 3),
-           "Tg_s": round(float(np.median([m["time/merge"] for m in metrics[1:]])), 3),
-           "Tt_s": round(float(np.median([m["time/train"] for m in metrics[1:]])), 3),
-           "staleness_mean": round(float(np.mean([m["staleness/mean"] for m in metrics])), 2),
-           "staleness_max": max(m["staleness/max"] for m in metrics)}
-    print(f"  {name:<28} {before:5.1f}% -> {after:5.1f}% | train {row['train_wall_s']:6.1f}s | "
-          f"to {100 * cfg.target:.0f}%: {row['time_to_target_s']} s", flush=True)
-    return row, {"curve": curve, "reward": [(m["time/elapsed"], m["reward/fresh"]) for m in metrics]}
+        records = [json.loads(line) for line in f]
+    with open(os.path.join(run_dir, "result.json")) as f:
+        headline = "eval/" + json.load(f)["headline"]
+    row = summarise(records, headline, cfg.target)
+    row.update({"name": name, "seed": seed, "flags": " ".join(flags), "run_wall_s": round(time.time() - t0, 1)})
+    print(f"  {name:<34} score {row['score']:.3f} | to target {row['time_to_target_s']} s | {row['run_wall_s']:.0f} s",
+          flush=True)
+    return row
 
 
-def table(rows, columns):
+def summarise(records, headline, target):
+    """A run's row from its metrics.jsonl records (training steps and evaluations)."""
+    steps = [r for r in records if "loss/train" in r]
+    evals = [r for r in records if r.get(headline) is not None]
+    hit = next((r["time/eval_since_launch"] for r in evals if r[headline] >= target), None)
+    mean = lambda key: _mean([r[key] for r in steps if r.get(key) is not None])
+    return {"score": _mean([r[headline] for r in evals[-3:]]), "before": evals[0][headline],
+            "time_to_target_s": None if hit is None else round(hit, 1),
+            "startup_s": round(steps[0]["time/since_launch"] - steps[0]["time/train"], 1),
+            "busy": steps[-1]["perf/busy"], "tokens_per_s": steps[-1]["perf/tokens_per_s"],
+            "latest_frac": mean("buffer/latest_frac"), "staleness_mean": mean("staleness/mean"),
+            "staleness_max": max(r["staleness/max"] for r in steps), "grad_norm": mean("grad/norm"),
+            "kl": mean("loss/kl"), "log_Z_std": mean("loss/log_Z_std"),
+            "curve": [(r["step"], r[headline]) for r in evals]}
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else math.nan
+
+
+T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        15: 2.131, 20: 2.086, 30: 2.042}  # two-sided 95% Student-t quantiles by degrees of freedom
+
+
+def interval(values):
+    """(mean, half-width of the 95% Student-t interval) of a cell's values; (mean, nan) for one value."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    if n == 1:
+        return mean, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    t = T_95[max(d for d in T_95 if d <= n - 1)]
+    return mean, t * sd / math.sqrt(n)
+
+
+def fmt(values, scale=1.0, digits=1):
+    mean, half = interval(values)
+    if math.isnan(mean):
+        return "n/a"
+    return f"{scale * mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {scale * half:.{digits}f}")
+
+
+def cell(cfg, script, name, flags, eval_every=None):
+    """The runs of one configuration over cfg.seeds seeds."""
+    return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every) for s in range(cfg.seeds)]
+
+
+# -----------------------------------------------------------------------------
+# The experiments
+
+def speed(cfg):
+    cells = {"async": cell(cfg, "run_gsm8k.py", "speed-async", [], cfg.speed_eval_every),  # a core each
+             "sync": cell(cfg, "run_gsm8k.py", "speed-sync", ["--sync", "--trainer-threads", "2"], cfg.speed_eval_every)}
+    rows = [{"mode": m, "score (%)": fmt([r["score"] for r in rs], 100),
+             f"time to {100 * cfg.target:.0f}% (s)": fmt([r["time_to_target_s"] for r in rs]),
+             "reached": f"{sum(r['time_to_target_s'] is not None for r in rs)}/{len(rs)}",
+             "start-up (s)": fmt([r["startup_s"] for r in rs]), "busy": fmt([r["busy"] for r in rs], digits=2),
+             "searcher tokens/s": fmt([r["tokens_per_s"] for r in rs], digits=0)} for m, rs in cells.items()]
+    ratio = [s["time_to_target_s"] / a["time_to_target_s"] for a, s in zip(cells["async"], cells["sync"])
+             if a["time_to_target_s"] and s["time_to_target_s"]]
+    note = (f"time-to-target ratio sync / async, per seed: {', '.join(f'{x:.2f}' for x in ratio) or 'n/a'} "
+            f"(mean {fmt(ratio, digits=2)})")
+    return cells, table(rows) + "\n\n" + note
+
+
+def staleness(cfg):
+    ks, objectives = ((2, 16), ("tb", "grpo")) if cfg.quick else ((1, 2, 4, 8, 16), ("tb", "rloo", "grpo"))
+    cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", ["--objective", o, "--sync-every", str(k)])
+             for o in objectives for k in ks}
+    scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks}} for o in objectives]
+    diag = [{"objective": o, "k": k, "realised m": fmt([r["latest_frac"] for r in rs], digits=2),
+             "staleness mean": fmt([r["staleness_mean"] for r in rs]), "staleness max": fmt([r["staleness_max"] for r in rs], digits=0),
+             "grad norm": fmt([r["grad_norm"] for r in rs], digits=2), "kl": fmt([r["kl"] for r in rs], digits=2),
+             "log Z spread": fmt([r["log_Z_std"] for r in rs], digits=2)} for (o, k), rs in cells.items()]
+    return ({f"{o} k={k}": rs for (o, k), rs in cells.items()},
+            "score (%), by objective and sync period k\n\n" + table(scores) + "\n\ndiagnostics, mean over each run's steps\n\n" + table(diag))
+
+
+def buffer(cfg):
+    cells = {(m, p): cell(cfg, "run_gsm8k.py", f"buffer-m{m}-{p}", ["--m", str(m), "--prioritization", p])
+             for m in ((0.0, 0.95) if cfg.quick else (0.0, 0.5, 0.95)) for p in ("softmax", "uniform")}
+    rows = [{"m": m, "prioritization": p, "score (%)": fmt([r["score"] for r in rs], 100),
+             "realised m": fmt([r["latest_frac"] for r in rs], digits=2), "staleness mean": fmt([r["staleness_mean"] for r in rs])}
+            for (m, p), rs in cells.items()]
+    return {f"m={m} {p}": rs for (m, p), rs in cells.items()}, table(rows)
+
+
+def tba_prime(cfg):
+    cells = {"beta decay 0.2 -> 0.05": cell(cfg, "run_gsm8k.py", "prime-decay", ["--beta-start", "0.2", "--beta-end", "0.05",
+                                                                                  "--beta-decay-steps", "200"]),
+             "TBA': beta 0.1, reset every 50": cell(cfg, "run_gsm8k.py", "prime-reset", ["--ref-reset-every", "50"])}
+    rows = [{"variant": v, "score (%)": fmt([r["score"] for r in rs], 100), "kl": fmt([r["kl"] for r in rs], digits=2)}
+            for v, rs in cells.items()]
+    return cells, table(rows)
+
+
+def tldr(cfg):
+    objectives = ("tb", "rloo") if cfg.quick else ("tb", "rloo", "online_dpo")
+    cells = {o: cell(cfg, "run_tldr.py", f"tldr-{o}", ["--objective", o]) for o in objectives}
+    rows = [{"objective": o, "win rate (%)": fmt([r["score"] for r in rs], 100), "kl": fmt([r["kl"] for r in rs], digits=2)}
+            for o, rs in cells.items()]
+    return cells, table(rows)
+
+
+SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "tldr": tldr}
+TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyness: sync period k (tiny GSM8K)",
+          "buffer": "The buffer: m and prioritisation, TB (tiny GSM8K)", "tba_prime": "TBA' against beta decay (tiny GSM8K)",
+          "tldr": "Table 1 in miniature: TL;DR at its most off-policy setting (tiny TL;DR)"}
+
+
+# -----------------------------------------------------------------------------
+# Output
+
+def table(rows):
+    columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows])
 
 
-def async_vs_sync(cfg):
-    a, ca = run(cfg, "async", [], cfg.speed_eval_every)
-    s, cs = run(cfg, "sync", ["--sync", "--trainer-threads", "2"], cfg.speed_eval_every)  # same 2 cores, one process
-    for row in (a, s):
-        row["steps_per_s"] = round(cfg.steps / row["train_wall_s"], 2)
-    Tg, Tt, Tt1 = s["Tg_s"], s["Tt_s"], a["Tt_s"]
-    ratio = s["time_to_target_s"] / a["time_to_target_s"] if a["time_to_target_s"] and s["time_to_target_s"] else None
-    text = table([a, s], ["name", "acc_before", "acc_after", "time_to_target_s", "train_wall_s", "steps_per_s",
-                          "samples_per_s", "busy", "Tg_s", "Tt_s"])
-    bounds = ", ".join(f"N={n}: {(Tg + Tt) / max(Tg / n, Tt):.2f}x" for n in (1, 2, 4))
-    text += (f"\n\n- sync, per step (2 threads): generation Tg = {Tg:.3f} s, training Tt = {Tt:.3f} s. Ideal async speedup "
-             f"(Tg + Tt) / max(Tg / N, Tt), if each phase kept its speed: {bounds}."
-             f"\n- on these 2 cores each async process has 1 thread: a trainer step takes {Tt1:.3f} s (vs {Tt:.3f} s), so "
-             f"the trainer-step rate can gain at most (Tg + Tt) / Tt(1 thread) = {(Tg + Tt) / Tt1:.2f}x; "
-             f"measured steps/s ratio async / sync = {a['steps_per_s'] / s['steps_per_s']:.2f}x."
-             f"\n- measured time-to-{100 * cfg.target:.0f}% ratio sync / async = "
-             f"{'n/a (target not reached by both)' if ratio is None else f'{ratio:.2f}x'} "
-             f"(read at evaluations every {cfg.speed_eval_every} steps)")
-    return [a, s], {"async": ca, "sync": cs}, text
-
-
-def objectives(cfg, ks, seeds):
-    rows, curves = [], {}
-    for objective in ("tb", "rloo", "grpo", "dr_grpo"):
-        for k in ks:
-            for seed in range(seeds):
-                name = f"{objective}-k{k}-seed{seed}"
-                row, curve = run(cfg, name, ["--objective", objective, "--sync-every", str(k), "--seed", str(seed)])
-                rows.append({**row, "objective": objective, "k": k, "seed": seed})
-                curves[name] = curve
-    summary = []
-    for objective in ("tb", "rloo", "grpo", "dr_grpo"):
-        entry = {"objective": objective}
-        for k in ks:
-            accs = [r["acc_after"] for r in rows if r["objective"] == objective and r["k"] == k]
-            entry[f"k={k}"] = f"{np.mean(accs):.1f} ({', '.join(f'{x:.1f}' for x in accs)})"
-        summary.append(entry)
-    return rows, curves, table(summary, ["objective"] + [f"k={k}" for k in ks])
-
-
-def ablations(cfg, ms, ks):
-    rows, curves = [], {}
-    for m in ms:
-        row, curve = run(cfg, f"m{m}", ["--m", str(m)])
-        rows.append({**row, "ablation": "m", "value": m})
-        curves[f"m={m}"] = curve
-    for k in ks:
-        row, curve = run(cfg, f"k{k}", ["--sync-every", str(k)])
-        rows.append({**row, "ablation": "k", "value": k})
-        curves[f"k={k}"] = curve
-    return rows, curves, table(rows, ["ablation", "value", "acc_after", "time_to_target_s", "staleness_mean", "staleness_max"])
-
-
-def plot(curves, path, title):
+def plot(cells, path, title):
+    """Mean headline score over steps for each cell (seeds averaged)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -163,53 +220,49 @@ def plot(curves, path, title):
     except ImportError:
         print(f"(matplotlib not installed: skipping {path})")
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, c in curves.items():
-        ax1.plot(*zip(*c["curve"]), marker="o", label=name)
-        ax2.plot(*zip(*c["reward"]), label=name, alpha=0.8)
-    ax1.set(xlabel="wall-clock (s, eval excluded)", ylabel="held-out greedy accuracy", title=title)
-    ax2.set(xlabel="wall-clock (s, eval excluded)", ylabel="reward of fresh searcher samples", title=title)
-    ax1.legend(fontsize=7)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rows in cells.items():
+        steps = [s for s, _ in rows[0]["curve"]]
+        ax.plot(steps, [_mean([dict(r["curve"]).get(s, math.nan) for r in rows]) for s in steps], marker="o", label=name)
+    ax.set(xlabel="trainer step", ylabel="headline score (mean over seeds)", title=title)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def provenance(argv, seconds):
+    return (f"made by `python bench.py {' '.join(argv)}` on {datetime.date.today()} on {platform.node()} "
+            f"({os.cpu_count()} CPU cores, {platform.machine()}, no GPU), {seconds / 60:.1f} min")
+
+
 def main(argv=None):
-    import dataclasses
-    args = build_parser(BenchConfig, {}).parse_args(argv)
-    cfg = BenchConfig(**vars(args))
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = BenchConfig(**vars(build_parser(BenchConfig, {}).parse_args(argv)))
     if cfg.quick:
-        cfg = dataclasses.replace(cfg, steps=20, seeds=1, eval_every=10, speed_eval_every=10, target=0.5)
+        cfg.seeds, cfg.sections = 2, "speed,staleness"
+    chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
-    t0 = time.time()
-    print(f"bench: {'quick' if cfg.quick else 'default'} settings, {cfg.steps} steps per run, results in {cfg.out}/", flush=True)
-    sections, all_rows, chosen = [], [], cfg.sections.split(",")
-    if "speed" in chosen:
-        rows, curves, text = async_vs_sync(cfg)
-        sections.append(("Async vs sync (TB, tiny preset, 2 cores)", text))
-        all_rows += rows
-        plot(curves, os.path.join(cfg.out, "async_vs_sync.png"), "async vs sync")
-    ks = (1, 4) if cfg.quick else (1, 4, 16)
-    if "objectives" in chosen:
-        rows, curves, text = objectives(cfg, ks, cfg.seeds)
-        sections.append((f"Final accuracy (%) by objective and sync period k, mean (per seed), {cfg.steps} steps", text))
-        all_rows += rows
-        plot({n: c for n, c in curves.items() if n.endswith("seed0")}, os.path.join(cfg.out, "objectives.png"),
-             "objectives, seed 0")
-    if "ablations" in chosen and not cfg.quick:
-        rows, curves, text = ablations(cfg, (0.5, 0.8, 0.95, 1.0), (1, 2, 4, 8))
-        sections.append((f"TB ablations: m and k, seed 0, {cfg.steps} steps", text))
-        all_rows += rows
-        plot(curves, os.path.join(cfg.out, "ablations.png"), "TB ablations")
-    columns = sorted({c for r in all_rows for c in r}, key=lambda c: list(all_rows[0]).index(c) if c in all_rows[0] else 99)
-    with open(os.path.join(cfg.out, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+    runs_per_seed = {"speed": 2, "staleness": 4 if cfg.quick else 15, "buffer": 4 if cfg.quick else 6, "tba_prime": 2, "tldr": 3}
+    n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
+    print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
+          f"(plus the warm starts of {cfg.seeds} seeds if not cached)", flush=True)
+    t0, all_rows = time.time(), []
+    for name in chosen:
+        print(f"\n## {TITLES[name]}", flush=True)
+        cells, text = SECTIONS[name](cfg)
+        all_rows += [r for rs in cells.values() for r in rs]
+        header = f"### {TITLES[name]}\n\n{provenance(argv, time.time() - t0)}; {cfg.seeds} seeds per cell\n\n"
+        print("\n" + text, flush=True)
+        with open(os.path.join(cfg.out, f"{name}.md"), "w") as f:
+            f.write(header + text + "\n")
+        plot(cells, os.path.join(cfg.out, f"{name}.png"), TITLES[name])
+    columns = [c for c in all_rows[0] if c != "curve"]
+    with open(os.path.join(cfg.out, "runs.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(all_rows)
-    for title, text in sections:
-        print(f"\n### {title}\n\n{text}")
-    print(f"\nbench finished in {(time.time() - t0) / 60:.1f} min; {len(all_rows)} runs; {cfg.out}/results.csv")
+    print(f"\nbench finished: {provenance(argv, time.time() - t0)}; {len(all_rows)} runs; {cfg.out}/runs.csv")
 
 
 if __name__ == "__main__":

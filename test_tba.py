@@ -420,7 +420,11 @@ def test_most_on_policy_staleness_bound_and_weights_reach_searchers(tmp_path, ca
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
-    assert max(r["staleness/latest_max"] for r in rows) <= 2 * k - 1, "most-on-policy draws older than 2k-1 steps"
+    # the latest round was formed round_age steps ago from items at most k steps older than that sync:
+    # k - 1 + k = 2k - 1 when every sync brings data, k more for each sync in a row that brought none
+    for r in rows:
+        assert r["staleness/latest_max"] <= r["buffer/round_age"] + k, r
+    assert all(r["staleness/latest_max"] <= 2 * k - 1 for r in rows if r["buffer/round_age"] < k)
     assert max(r["searcher/version"] for r in rows) > 0, "searchers never generated with published weights"
 
 
@@ -1017,22 +1021,23 @@ def test_ctrl_c_during_the_sft_warm_start_exits_cleanly(tmp_path):
     rest, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
     assert rest.strip().splitlines()[-1] == "stopped by SIGINT; before training started: nothing to resume; all processes stopped"
-    assert not [n for n in os.listdir(tmp_path / "cache") if ".tmp" in n], "no half-written warm start is left"
+    left = os.listdir(tmp_path / "cache") if os.path.exists(tmp_path / "cache") else []
+    assert not [n for n in left if ".tmp" in n], "no half-written warm start is left"
     assert not _wait_gone(family, 15)
 
 
 def test_a_stopped_searcher_ends_the_run_naming_it(tmp_path, cache_dir):
     # SIGSTOP the searcher as soon as it exists: the initial fill never completes
-    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "50", "--searcher-timeout", "6"))
+    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "50", "--searcher-timeout", "15"))
     family = []
     deadline = time.time() + 60
     while not family and time.time() < deadline:
         family = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
         time.sleep(0.05)
     os.kill(family[0], signal.SIGSTOP)
-    rest, _ = proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, rest[-2000:]
-    assert re.search(r"error: searcher-0 \(pid \d+\) sent nothing for \d+ s \(--searcher-timeout 6.0\)", rest), rest[-2000:]
+    assert re.search(r"error: searcher-0 \(pid \d+\) sent nothing for \d+ s \(--searcher-timeout 15.0\)", rest), rest[-2000:]
     assert not _wait_gone(family, 15), "the stopped searcher was not cleaned up"
 
 
@@ -1050,3 +1055,21 @@ def test_an_empty_sync_is_logged(capsys):
     tba.merge(run, 8)
     assert "sync at step 8: no new trajectories from the searchers" in capsys.readouterr().out
     assert run.state["fresh_count"] == 0
+
+
+def test_bench_interval_and_run_summary():
+    import bench
+    mean, half = bench.interval([1.0, 2.0, 3.0])  # sd 1, t(2 dof) = 4.303
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
+    assert bench.interval([5.0])[0] == 5.0 and math.isnan(bench.interval([5.0])[1])
+    assert bench.fmt([0.5, 0.7, None], 100) == f"60.0 ± {100 * 12.706 * math.sqrt(0.02) / math.sqrt(2):.1f}"
+    records = [{"step": 0, "eval/accuracy": 0.2, "time/eval_since_launch": 5.0},
+               *({"step": s, "loss/train": 1.0, "time/since_launch": 6.0 + s, "time/train": 0.3, "perf/busy": 0.9,
+                  "perf/tokens_per_s": 100.0, "buffer/latest_frac": 1.0, "staleness/mean": 1.0, "staleness/max": 3,
+                  "grad/norm": 2.0, "loss/kl": 0.1, "loss/log_Z_std": 0.5} for s in range(3)),
+               {"step": 10, "eval/accuracy": 0.75, "time/eval_since_launch": 9.0},
+               {"step": 20, "eval/accuracy": 0.65, "time/eval_since_launch": 12.0},
+               {"step": 30, "eval/accuracy": 0.8, "time/eval_since_launch": 15.0}]
+    row = bench.summarise(records, "eval/accuracy", target=0.7)
+    assert row["score"] == pytest.approx((0.75 + 0.65 + 0.8) / 3), "the mean of the last three evaluations"
+    assert row["time_to_target_s"] == 9.0 and row["startup_s"] == pytest.approx(5.7) and row["staleness_max"] == 3
