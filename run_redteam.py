@@ -69,7 +69,7 @@ PAPER = dict(
     warmup_steps=100, stable_steps=0, decay_steps=39900,  # linear decay over 40,000 steps: 0.88x at step 5,000
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,
     sync_every=2, m=0.5, prioritization="softmax", reward_temp=1.0,  # half the batch replayed ∝ exp(c)
-    capacity_per_query=1000, initial_completions=1280,  # buffer of 1,000; seeded with 10 batches of samples
+    capacity_per_query=1000, initial_completions=160,  # buffer of 1,000, seeded with 10 x 16 attacker samples
     eval_every=500, eval_size=0, eval_batch_size=256, log_every=10, checkpoint_every=500,
 )
 
@@ -201,7 +201,10 @@ def vocabulary():
 
 def warm_start(cfg):
     """Paths of the SFT'd tiny attacker and the trained tiny victim for these settings (built once, cached)."""
+    import torch
     import tiny
+    # the trainer process's thread count: measured here, 2 threads on 2 busy cores made each SFT step 9x slower
+    torch.set_num_threads(cfg.trainer_threads)
     words = vocabulary()
     shape = dict(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, examples=cfg.tiny_examples, batch=cfg.tiny_sft_batch,
                  lr=cfg.tiny_sft_lr, words=len(words), seed=cfg.seed, version=1)
