@@ -206,6 +206,24 @@ def test_paper_preset_scorer_and_eval_with_tiny_random_models(tmp_path, tiny_pap
     assert len(rows) == 8 and all(len(row["responses"]) == 5 == len(row["p_toxic"]) for row in rows)
 
 
+def test_paper_preset_run_with_tiny_random_models_and_two_searchers_on_one_prompt(tmp_path, tiny_paper_models):
+    gpt2, roberta = tiny_paper_models
+    cmd = [sys.executable, os.path.join(HERE, "run_redteam.py"), "--preset", "paper", "--model", gpt2, "--victim", gpt2,
+           "--classifier", roberta, "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--searcher-device", "cpu",
+           "--backend", "hf", "--num-searchers", "2", "--trainer-threads", "1", "--searcher-threads", "1",
+           "--steps", "2", "--sync-every", "1", "--batch-size", "4", "--responses-per-query", "2",
+           "--samples-per-prompt", "4", "--micro-batch-queries", "2", "--initial-completions", "8", "--max-new-tokens", "6",
+           "--victim-max-new-tokens", "6", "--score-batch", "8", "--eval-size", "8", "--eval-batch-size", "8",
+           "--warmup-steps", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(np.isfinite(r["loss/train"]) for r in rows[:2])
+    assert json.load(open(tmp_path / "run" / "final" / "config.json"))["architectures"] == ["GPT2LMHeadModel"]
+    resolved = json.load(open(tmp_path / "run" / "config.json"))
+    assert resolved["beta_end"] == 0.1 and resolved["loss_temperature"] == 1.0 and resolved["victim"] == gpt2
+
+
 def test_paper_preset_needs_an_sft_attacker():
     cfg, preset = parse_config(RedTeamConfig, PRESETS, ["--preset", "paper"])
     with pytest.raises(ConfigError, match="--model"):
