@@ -228,10 +228,12 @@ class Searcher:
 # The process
 
 class PromptSampler:
-    """Endless batches of query ids from one searcher's shard, reshuffled every pass; its state can be saved."""
+    """Endless batches of query ids from one searcher's shard, reshuffled every pass; its state can be saved.
+    With fewer prompts than searchers (red-teaming has one prompt), every searcher cycles through all of them."""
 
     def __init__(self, num_prompts, rank, world, batch_size, seed):
-        self.shard, self.batch_size = list(range(rank, num_prompts, world)), batch_size
+        self.shard = list(range(rank, num_prompts, world)) or list(range(num_prompts))
+        self.batch_size = batch_size
         self.rng, self.order, self.pos = random.Random(seed), [], 0
 
     def __iter__(self):
