@@ -388,9 +388,12 @@ def cache_dir(tmp_path_factory):
 
 
 def read_metrics(tmp_path, evals=False):
-    """The records of metrics.jsonl: the training steps' only, or with the final evaluation's (evals=True)."""
+    """The records of metrics.jsonl (strict JSON: no NaN): the training steps' only, or with the final
+    evaluation's (evals=True)."""
+    def no_nan(name):
+        raise AssertionError(f"metrics.jsonl holds a bare {name}")
     with open(tmp_path / "run" / "metrics.jsonl") as f:
-        return [r for r in map(json.loads, f) if evals or "loss/train" in r]
+        return [r for r in (json.loads(line, parse_constant=no_nan) for line in f) if evals or "loss/train" in r]
 
 
 def test_smoke_run_writes_metrics(tmp_path, cache_dir):
@@ -407,6 +410,8 @@ def test_smoke_run_writes_metrics(tmp_path, cache_dir):
     assert keys <= set(rows[0]), f"missing metrics: {keys - set(rows[0])}"
     assert all(np.isfinite(r["loss/train"]) for r in rows)
     assert re.fullmatch(r"accuracy: before [\d.]+% -> after [\d.]+%", out.stdout.splitlines()[-1])
+    assert "\r" not in out.stdout + out.stderr, "a redirected log has no progress-bar carriage returns"
+    assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     result = json.load(open(tmp_path / "run" / "result.json"))
     assert result["headline"] == "accuracy" and result["after"]["eval/accuracy"] == final["eval/accuracy"]
     assert result["before"]["eval/accuracy"] == rows[0]["eval/accuracy"]
