@@ -55,6 +55,8 @@ class Config:
     resume: str = run_("", "continue the run saved in this run directory (implies --run-dir), from its latest checkpoint")
     overwrite: bool = run_(False, "replace the earlier run in --run-dir (without it such a directory is refused)")
     allow_config_change: bool = run_(False, "let --resume continue although flags that change the run's meaning changed")
+    auto_resume: bool = run_(False, "resume --run-dir from its latest checkpoint if it has one, else start the run there: "
+                                    "for launchers that rerun the same command (torchrun --max-restarts, Slurm --requeue)")
     checkpoint_every: int = run_(0, "save a checkpoint every this many steps (always at the end, on a stop signal, "
                                     "on a searcher failure)")
     keep_checkpoints: int = run_(2, "how many of the most recent checkpoints to keep")
