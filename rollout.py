@@ -19,6 +19,8 @@ them through shared memory (`SharedWeights`). It starts them as soon as it is cr
 has imported torch or loaded a model: importing torch and transformers takes a process about 5 s here,
 and this way the searchers' start-up overlaps with the trainer's instead of following it. Each searcher
 then waits for its job (config, task, weights), sent by `start`.
+Under torchrun, `distributed.DistRollout` has the same interface, its searchers being the other ranks;
+`merge_round` (draining the searchers into the buffer) is shared by both.
 `SyncRollout` is the on-policy baseline: each step it generates a fresh batch with the trainer's own
 policy, then the trainer trains on exactly that batch.
 
@@ -33,7 +35,7 @@ import time
 
 from tqdm import tqdm
 
-from config import RunError
+from config import RunError, torchrun_rank
 
 
 class SearcherDied(RunError):
@@ -311,5 +313,11 @@ class SyncRollout:
 
 
 def make_rollout(cfg):
-    """The rollout for this config; an AsyncRollout starts its searcher processes right away."""
-    return SyncRollout(cfg) if cfg.sync else AsyncRollout(cfg)
+    """The rollout for this config; an AsyncRollout starts its searcher processes right away. Under torchrun
+    this process is rank 0 and its searchers are the other ranks (distributed.py)."""
+    if cfg.sync:
+        return SyncRollout(cfg)
+    if torchrun_rank() is not None:
+        from distributed import DistRollout
+        return DistRollout(cfg)
+    return AsyncRollout(cfg)
