@@ -144,7 +144,10 @@ def decode_job(text, config_cls):
 def encode_batch(batch):
     """A searcher's batch as JSON text: per Trajectory the record buffer.json keeps (Python's JSON writes
     NaN for a log-prob left to the trainer, and floats round-trip exactly)."""
-    return json.dumps([dataclasses.asdict(t) for t in batch])
+    return json.dumps([{f: getattr(t, f) for f in TRAJECTORY_FIELDS} for t in batch])  # (asdict would deep-copy every id)
+
+
+TRAJECTORY_FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
 
 
 def decode_batch(text):
@@ -189,7 +192,7 @@ class WeightSender:
     def __init__(self, store, ranks, timeout_s):
         self.store, self.ranks, self.timeout_s = store, ranks, timeout_s  # store: this thread's own client
         self.thread, self.error, self.skipped = None, None, 0
-        self.packed = {}  # kind -> (entries, layout digest, byte tensor), reused by every transfer of that kind
+        self.buffers = {}  # kind -> the byte tensor its transfers are packed into (reused while the size holds)
 
     def busy(self):
         return self.thread is not None and self.thread.is_alive()
@@ -213,11 +216,10 @@ class WeightSender:
         return True
 
     def _pack(self, kind, model):
-        if kind not in self.packed:
-            entries, size = layout(model)
-            self.packed[kind] = (entries, digest(entries), torch.empty(size, dtype=torch.uint8))
-        entries, fingerprint, flat = self.packed[kind]
-        return pack(model, entries, flat), fingerprint
+        entries, size = layout(model)
+        if kind not in self.buffers or self.buffers[kind].numel() != size:
+            self.buffers[kind] = torch.empty(size, dtype=torch.uint8)
+        return pack(model, entries, self.buffers[kind]), digest(entries)
 
     def _transfer(self, messages):
         """Announce, then send, each message to every searcher; an error is kept for DistRollout.check_alive."""
