@@ -141,13 +141,13 @@ def decode_job(text, config_cls):
     return config_cls(**job["cfg"]), task, job["step"], job["restarts"]
 
 
+TRAJECTORY_FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
+
+
 def encode_batch(batch):
     """A searcher's batch as JSON text: per Trajectory the record buffer.json keeps (Python's JSON writes
     NaN for a log-prob left to the trainer, and floats round-trip exactly)."""
     return json.dumps([{f: getattr(t, f) for f in TRAJECTORY_FIELDS} for t in batch])  # (asdict would deep-copy every id)
-
-
-TRAJECTORY_FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
 
 
 def decode_batch(text):
@@ -191,7 +191,7 @@ class WeightSender:
 
     def __init__(self, store, ranks, timeout_s):
         self.store, self.ranks, self.timeout_s = store, ranks, timeout_s  # store: this thread's own client
-        self.thread, self.error, self.skipped = None, None, 0
+        self.thread, self.error, self.publishes, self.skipped = None, None, 0, 0
         self.buffers = {}  # kind -> the byte tensor its transfers are packed into (reused while the size holds)
 
     def busy(self):
@@ -204,6 +204,7 @@ class WeightSender:
     def send(self, items, wait=False):
         """Send [(kind, version, model)] to every searcher. While a transfer is in flight this is skipped
         (returns False), or with wait=True waits for it first (at most timeout_s)."""
+        self.publishes += 1
         if self.busy() and not wait:
             self.skipped += 1
             return False
@@ -309,18 +310,26 @@ class DistRollout:
         pass  # the count is torchrun's (TORCHELASTIC_RESTART_COUNT)
 
     def close(self):
-        """Let a transfer in flight finish, tell the searchers to stop, and unless the run is failing wait up
-        to --searcher-timeout for them to finish their batch and go. Safe to call twice."""
+        """Let a transfer in flight finish, tell the searchers to stop and, unless the run is failing, wait
+        (up to --searcher-timeout) until each has acknowledged it; their threads do within 50 ms. Safe to
+        call twice."""
         if self.closed:
             return
         self.closed = True
         self.sender.join(10.0)
+        if self.sender.skipped:
+            print(f"weights: {self.sender.skipped} of {self.sender.publishes} publishes skipped (the previous "
+                  f"transfer was still in flight)")
         failing = self.failed or self.sender.error or (self.stop is not None and self.stop.requested)
         try:
             self.store.set("stop", "1")
             deadline = time.time() + (0 if failing else self.cfg.searcher_timeout)
             while self.store.add("stopped", 0) < len(self.ranks) and time.time() < deadline:
                 time.sleep(0.1)
+            missing = len(self.ranks) - self.store.add("stopped", 0)
+            if missing and not failing:
+                print(f"warning: {missing} searcher rank(s) did not acknowledge the stop within "
+                      f"--searcher-timeout {self.cfg.searcher_timeout:g} s; torchrun will end them")
         except dist.DistError:
             pass  # the store went with torchrun's agent, which is ending the job: the searchers go with it
         if not self.sender.busy() and dist.is_initialized():
