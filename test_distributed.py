@@ -108,6 +108,23 @@ def test_same_trajectories_through_both_transports_give_identical_buffers(monkey
     assert len(remote_buffer) < 6 * 3 * 8 and any(math.isnan(r["behavior_logp"]) for r in remote_merged[0])
 
 
+def test_auto_resume_restarts_an_attempt_without_a_checkpoint_and_resumes_one_with(tmp_path):
+    from checkpoint import prepare_run_dir
+    from config import Config
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")  # what an attempt writes before its first checkpoint
+    cfg = Config(run_dir=str(run), auto_resume=True)
+    prepare_run_dir(cfg, run_dir_given=True)
+    assert not cfg.resume and not (run / "metrics.jsonl").exists(), "nothing to resume: start afresh"
+    step = run / "checkpoints" / "step-000004"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(json.dumps({"step": 4, "saved_at": 1.0, "config": dataclasses.asdict(cfg)}))
+    cfg = Config(run_dir=str(run), auto_resume=True)
+    prepare_run_dir(cfg, run_dir_given=True)
+    assert cfg.resume == str(run), "a checkpoint: resume it"
+
+
 # -----------------------------------------------------------------------------
 # The weight transport: after a publish every searcher holds the trainer's weights
 
