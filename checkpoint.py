@@ -42,7 +42,7 @@ from config import ConfigError, flag
 
 RUN_FILES = ("config.json", "metrics.jsonl", "result.json", "checkpoints", "final", "evals")  # what a run writes
 # config fields a resumed run may change without changing what the run is (printed when they change)
-HARMLESS = {"run_dir", "resume", "overwrite", "allow_config_change", "dry_run", "steps", "checkpoint_every",
+HARMLESS = {"run_dir", "resume", "overwrite", "allow_config_change", "auto_resume", "dry_run", "steps", "checkpoint_every",
             "keep_checkpoints", "eval_every", "eval_size", "eval_batch_size", "log_every", "trainer_threads",
             "searcher_threads", "num_searchers", "device", "searcher_device", "queue_size", "on_searcher_failure",
             "max_searcher_restarts", "searcher_timeout", "max_nonfinite_steps", "cache_dir", "data_dir",
@@ -58,6 +58,8 @@ def prepare_run_dir(cfg, run_dir_given):
     directory must be writable and not in use by another run (a lock held until this process exits); a
     directory holding an earlier run needs --resume or --overwrite; a resume must keep the run's meaning."""
     global _lock
+    if cfg.auto_resume and not cfg.resume:
+        auto_resume(cfg)
     if cfg.resume:
         if run_dir_given and os.path.abspath(cfg.run_dir) != os.path.abspath(cfg.resume):
             raise ConfigError(f"--resume {cfg.resume} continues that run in its own directory; drop --run-dir {cfg.run_dir}")
@@ -93,6 +95,17 @@ def release_run_dir():
     if _lock is not None:
         _lock.close()
         _lock = None
+
+
+def auto_resume(cfg):
+    """--auto-resume: a run directory with a checkpoint is resumed (as --resume would); one that holds only
+    what an attempt wrote before its first checkpoint is started afresh (as --overwrite would)."""
+    if checkpoints_newest_first(cfg.run_dir):
+        print(f"--auto-resume: {cfg.run_dir} has a checkpoint; resuming it")
+        cfg.resume = cfg.run_dir
+    elif any(os.path.exists(os.path.join(cfg.run_dir, n)) for n in RUN_FILES):
+        print(f"--auto-resume: {cfg.run_dir} has no checkpoint; starting the run afresh there")
+        cfg.overwrite = True
 
 
 def check_resume(cfg):

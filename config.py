@@ -7,7 +7,8 @@ the flags grouped by section, and a preset (`--preset tiny|paper`) is a named co
 single flags override. The resolved config is printed once and saved as run_dir/config.json.
 
 `main(...)` is the entry point every run_*.py script calls: parse -> validate -> build the task ->
-train -> one closing line. Bad input ends it with one line `error: ...` and exit code 2 before any model
+train -> one closing line. Under torchrun the same call trains in rank 0 and runs a searcher in every other
+rank (distributed.py). Bad input ends it with one line `error: ...` and exit code 2 before any model
 is loaded or any process spawned.
 
 Nothing here imports torch or transformers at import time, so `--help` and flag errors answer at once.
@@ -58,6 +59,8 @@ class Config:
     resume: str = run_("", "continue the run saved in this run directory (implies --run-dir), from its latest checkpoint")
     overwrite: bool = run_(False, "replace the earlier run in --run-dir (without it such a directory is refused)")
     allow_config_change: bool = run_(False, "let --resume continue although flags that change the run's meaning changed")
+    auto_resume: bool = run_(False, "resume --run-dir from its latest checkpoint if it has one, else start the run there: "
+                                    "for launchers that rerun the same command (torchrun --max-restarts, Slurm --requeue)")
     checkpoint_every: int = run_(0, "save a checkpoint every this many steps (always at the end, on a stop signal, "
                                     "on a searcher failure)")
     keep_checkpoints: int = run_(2, "how many of the most recent checkpoints to keep")
@@ -72,7 +75,7 @@ class Config:
     trainer_threads: int = models_(1, "torch threads in the trainer process")
     searcher_threads: int = models_(1, "torch threads in each searcher process")
     # search
-    num_searchers: int = search_(1, "searcher processes")
+    num_searchers: int = search_(1, "searcher processes (under torchrun: the ranks after the first, whatever this says)")
     backend: str = search_("auto", "searcher generation backend: auto (vllm if installed and on GPU, else hf) | hf | vllm")
     vllm_gpu_memory_utilization: float = search_(0.5, "fraction of a searcher GPU that vLLM may take")
     prompts_per_search: int = search_(4, "prompts per searcher generation batch")
@@ -297,10 +300,17 @@ def main(config_cls, presets, make_task, argv=None, description=None):
     rollout = None
     try:
         cfg, preset = parse_config(config_cls, presets, argv, description=description)
+        rank = torchrun_rank()
+        if rank is not None:  # started by torchrun: rank 0 trains, ranks 1.. search (distributed.py)
+            from distributed import configure
+            configure(cfg)
         validate(cfg)
         check_devices(cfg)  # imports torch only when a flag names a CUDA device
         if cfg.dry_run:
-            return dry_run(cfg, preset)
+            return dry_run(cfg, preset) if not rank else 0
+        if rank:  # a searcher rank never trains, and leaves the run directory to rank 0
+            from distributed import searcher_rank_main
+            return searcher_rank_main(cfg)
         check_model_path(cfg)
         catch_stop_signals()
         from checkpoint import prepare_run_dir
@@ -330,6 +340,12 @@ def main(config_cls, presets, make_task, argv=None, description=None):
         if "checkpoint" in sys.modules:
             sys.modules["checkpoint"].release_run_dir()
     return 0
+
+
+def torchrun_rank():
+    """This process's rank when torchrun started it (it sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else None."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return int(os.environ["RANK"]) if all(n in os.environ for n in names) else None
 
 
 def catch_stop_signals():

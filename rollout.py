@@ -19,6 +19,8 @@ them through shared memory (`SharedWeights`). It starts them as soon as it is cr
 has imported torch or loaded a model: importing torch and transformers takes a process about 5 s here,
 and this way the searchers' start-up overlaps with the trainer's instead of following it. Each searcher
 then waits for its job (config, task, weights), sent by `start`.
+Under torchrun, `distributed.DistRollout` has the same interface, its searchers being the other ranks;
+`merge_round` (draining the searchers into the buffer) is shared by both.
 `SyncRollout` is the on-policy baseline: each step it generates a fresh batch with the trainer's own
 policy, then the trainer trains on exactly that batch.
 
@@ -33,7 +35,7 @@ import time
 
 from tqdm import tqdm
 
-from config import RunError
+from config import RunError, torchrun_rank
 
 
 class SearcherDied(RunError):
@@ -140,32 +142,14 @@ class AsyncRollout:
             self._send_job(rank)
 
     def merge(self, buffer, step):
-        """Drain every queue into the buffer as one round (the first merge waits for the initial fill)."""
-        need = self.cfg.initial_completions if self.received == 0 else 0
-        items = []
-        bar = tqdm(total=need, desc="initial fill", leave=False, disable=None if need else True)
-        while True:
-            got = 0
-            for rank, q in enumerate(self.queues):
-                try:
-                    batch = q.get(timeout=0.01)
-                except queue.Empty:
-                    continue
-                self.last_heard[rank] = time.time()
-                items.extend(batch)
-                got += len(batch)
-            bar.update(got)
-            if not got:
-                if len(items) >= need:
-                    break
-                if self.stop is not None and self.stop.requested:
-                    raise StopRequested
-                self.check_alive()
-        bar.close()
-        self.received += len(items)
-        # items from weights older than the previous sync stay out of the most-on-policy round (buffer.py)
-        buffer.add(items, round_min_version=max(step - self.cfg.sync_every, 0))
-        return items
+        return merge_round(self, buffer, step)
+
+    def poll(self, rank):
+        """The next batch searcher `rank` sent, or None (waits at most 10 ms)."""
+        try:
+            return self.queues[rank].get(timeout=0.01)
+        except queue.Empty:
+            return None
 
     def sample(self, buffer):
         cfg = self.cfg
@@ -212,11 +196,69 @@ def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weig
                 continue
             from searcher import searcher_main
             policy_weights.tensors, ref_weights.tensors = job["policy"], job["ref"]
-            searcher_main(rank, job["cfg"], job["task"], job["seed"], policy_weights, ref_weights, out_queue,
-                          stop_event, parent_pid)
+            link = QueueLink(policy_weights, ref_weights, out_queue, stop_event, parent_pid)
+            searcher_main(rank, job["cfg"], job["task"], job["seed"], link)
             return
     finally:
         out_queue.cancel_join_thread()  # never block exit on data nobody will read
+
+
+class QueueLink:
+    """A searcher process's connection to the trainer on one machine (what searcher.searcher_main calls
+    `link`): the shared weights, its own queue, the stop event. distributed.StoreLink is the same over
+    torch.distributed."""
+
+    def __init__(self, policy_weights, ref_weights, out_queue, stop_event, parent_pid):
+        self.weights = {"policy": policy_weights, "ref": ref_weights}
+        self.out_queue, self.stop_event, self.parent_pid = out_queue, stop_event, parent_pid
+
+    def alive(self):
+        """False once the trainer said stop or is gone."""
+        return not self.stop_event.is_set() and os.getppid() == self.parent_pid
+
+    def pull(self, kind, model, have_version):
+        """Copy the newest "policy" or "ref" weights into `model` if newer than have_version; returns its version."""
+        return self.weights[kind].pull(model, have_version)
+
+    def put(self, batch):
+        """Send a batch, waiting while the queue is full; False if the run stopped meanwhile."""
+        while self.alive():
+            try:
+                self.out_queue.put(batch, timeout=1.0)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+def merge_round(rollout, buffer, step):
+    """Drain every searcher into the buffer as one round (the first merge waits for the initial fill).
+    Shared by AsyncRollout and distributed.DistRollout, which differ in `poll(rank)` (a batch or None)."""
+    cfg = rollout.cfg
+    need = cfg.initial_completions if rollout.received == 0 else 0
+    items = []
+    bar = tqdm(total=need, desc="initial fill", leave=False, disable=None if need else True)
+    while True:
+        got = 0
+        for rank in range(cfg.num_searchers):
+            batch = rollout.poll(rank)
+            if batch is None:
+                continue
+            rollout.last_heard[rank] = time.time()
+            items.extend(batch)
+            got += len(batch)
+        bar.update(got)
+        if not got:
+            if len(items) >= need:
+                break
+            if rollout.stop is not None and rollout.stop.requested:
+                raise StopRequested
+            rollout.check_alive()
+    bar.close()
+    rollout.received += len(items)
+    # items from weights older than the previous sync stay out of the most-on-policy round (buffer.py)
+    buffer.add(items, round_min_version=max(step - cfg.sync_every, 0))
+    return items
 
 
 # -----------------------------------------------------------------------------
@@ -271,5 +313,11 @@ class SyncRollout:
 
 
 def make_rollout(cfg):
-    """The rollout for this config; an AsyncRollout starts its searcher processes right away."""
-    return SyncRollout(cfg) if cfg.sync else AsyncRollout(cfg)
+    """The rollout for this config; an AsyncRollout starts its searcher processes right away. Under torchrun
+    this process is rank 0 and its searchers are the other ranks (distributed.py)."""
+    if cfg.sync:
+        return SyncRollout(cfg)
+    if torchrun_rank() is not None:
+        from distributed import DistRollout
+        return DistRollout(cfg)
+    return AsyncRollout(cfg)

@@ -13,9 +13,12 @@ A searcher process loops until told to stop:
        moved) and, for importance-ratio objectives only, the behaviour log-prob;
     5. put the batch of `Trajectory`s on its queue (with a timeout, re-checking the stop flag).
 
-Weights travel through `rollout.SharedWeights`: one shared-memory copy of the state dict plus a version
-counter, guarded by a lock. The trainer writes it at every sync; a searcher copies it into its model when
-the version changed. Nothing is pickled per step.
+The loop talks to the trainer through a `link` (the transport), so the same loop serves one machine and
+many. On one machine (rollout.QueueLink) weights travel through `rollout.SharedWeights`: one shared-memory
+copy of the state dict plus a version counter, guarded by a lock; the trainer writes it at every sync and a
+searcher copies it into its model when the version changed; batches go on a multiprocessing queue. Under
+torchrun (distributed.StoreLink) batches go to the trainer's TCPStore as JSON and weights arrive over gloo.
+Nothing is pickled per step.
 
 Generation sits behind a small backend interface, `generate(prompt_ids, n, temperature, greedy) -> [ids]`
 and `load_state_dict(tensors)`: `HFGenerator` here (transformers `generate` with KV cache; CPU or GPU) and
@@ -33,7 +36,6 @@ Run it through a run_*.py script; this module has no entry point of its own.
 
 import math
 import os
-import queue
 import random
 from dataclasses import dataclass
 
@@ -265,8 +267,12 @@ def tuple_rng_state(state):
     return version, tuple(internal), gauss
 
 
-def searcher_main(rank, cfg, task, seed, policy_weights, ref_weights, out_queue, stop_event, parent_pid):
-    """The work of a searcher process (started by rollout.searcher_process). An error exits it non-zero."""
+def searcher_main(rank, cfg, task, seed, link):
+    """The work of a searcher: a process started by rollout.searcher_process, or a torchrun rank started by
+    distributed.searcher_rank_main. `link` is its connection to the trainer (rollout.QueueLink or
+    distributed.StoreLink): link.alive() is False once the trainer said stop or is gone; link.pull(kind,
+    model, version) copies newer "policy" or "ref" weights into the model and returns the version it holds;
+    link.put(batch) sends a batch, waiting while the trainer's queue is full. An error exits it non-zero."""
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
     device, dtype = cfg.searcher_devices[rank], dtype_of(cfg.dtype)
@@ -279,24 +285,19 @@ def searcher_main(rank, cfg, task, seed, policy_weights, ref_weights, out_queue,
     generator = make_generator(cfg, policy, tokenizer, seed)
     searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
                         policy=policy if "behavior_logp" in inputs else None, ref=ref)
-    alive = lambda: not stop_event.is_set() and os.getppid() == parent_pid  # stopped, or the trainer is gone
     version = ref_version = -1
     for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
-        if not alive():
+        if not link.alive():
             break
-        new_version = policy_weights.pull(policy, version)
+        new_version = link.pull("policy", policy, version)
         if new_version != version and generator.model is not policy:
             generator.load_state_dict({n: t.cpu() for n, t in policy.state_dict().items()})  # vLLM's own copy
         version = new_version
         if ref is not None:
-            ref_version = ref_weights.pull(ref, ref_version)
+            ref_version = link.pull("ref", ref, ref_version)
         batch = searcher.search(query_ids, version, ref_version)
-        while alive():
-            try:
-                out_queue.put(batch, timeout=1.0)
-                break
-            except queue.Full:
-                continue
+        if not link.put(batch):
+            break
 
 
 def make_generator(cfg, policy, tokenizer, seed):

@@ -1,0 +1,547 @@
+"""
+Many machines: the trainer and the searchers as the ranks of one torchrun job, over torch.distributed.
+
+    torchrun --standalone --nproc-per-node 3 run_gsm8k.py [flags]     # one node: 1 trainer + 2 searchers
+
+Every rank runs the same script. config.main sees the variables torchrun sets (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): rank 0 trains exactly as without torchrun, except that rollout.make_rollout gives
+it a `DistRollout`, which has the interface of rollout.AsyncRollout, so tba.train does not change; ranks
+1..N-1 run `searcher_rank_main`, which runs the same searcher loop (searcher.searcher_main) with a
+`StoreLink` where a searcher process has a multiprocessing queue and shared memory. Without torchrun nothing
+here runs.
+
+The transport, all public torch.distributed API, nothing pickled:
+  store         one TCPStore per job, made as torchrun's env:// rendezvous makes it (hosted by rank 0, or by
+                torchrun's agent); it is also where the gloo process group meets.
+  job           rank 0 sets the key "job": the config and the task as JSON, once it has its models.
+  trajectories  a searcher pushes each batch as JSON (per Trajectory the record buffer.json keeps) to its own
+                store queue "traj/<rank>" (queue_push), waiting while that holds --queue-size batches
+                (queue_len); at each merge the trainer drains the queues with queue_pop(block=False) through
+                rollout.merge_round, the same function that drains the multiprocessing queues.
+  weights       the state dict packed into one byte tensor (`pack`) on the trainer's thread, then sent to
+                every searcher with gloo point-to-point (isend) by a background thread, so the trainer never
+                waits for a transfer. Each transfer is first announced on the store queue "weights/<rank>"
+                (kind, version, size, layout digest); a searcher's own thread polls that queue, posts the
+                matching irecv, and keeps the newest weights received; the searcher loads them between batches.
+  stop          at the end rank 0 sets "stop" and waits for every searcher to add 1 to "stopped"; a
+                searcher's thread does so within 50 ms, and the searcher exits 0 after its batch, without
+                another store call (rank 0 may already be gone, and with it the store).
+
+Why announce on the store instead of sending a small header over gloo first: a gloo receive cannot be
+polled, and a gloo wait that times out breaks the process group. A searcher waiting for a gloo header would
+sit in one wait for the whole gap between two publishes (an evaluation, a checkpoint, a slow step), and no
+timeout is both safe and short. With the announcement a searcher enters a gloo wait only when bytes are on
+their way. Those waits still have a long timeout, --searcher-timeout: a transfer that takes longer means a
+searcher (or the trainer) has failed, the run ends, and the process group is not used again.
+
+Failures. torchrun watches every rank of its node: when one dies it sends SIGTERM to the others (SIGKILL
+30 s later). Rank 0 turns SIGTERM into a checkpoint and an exit, as without torchrun (tba.StopOnSignal), so
+the job exits non-zero within seconds. `torchrun --max-restarts N` then starts the whole job again, and
+`--auto-resume` makes it continue from that checkpoint. A searcher that sends nothing for --searcher-timeout
+seconds (on another node, say) ends the run with a message naming its rank and host, and so does a weight
+transfer that fails. A searcher that loses the trainer (its store calls fail) exits 1.
+
+Departures from the single-machine path (rollout.AsyncRollout):
+  1. One searcher is never restarted alone: torchrun restarts the whole job, which resumes from its latest
+     checkpoint (--auto-resume); --on-searcher-failure restart is refused under torchrun.
+  2. A policy publish made while the previous transfer is still being sent is skipped, so searchers may skip
+     a version (the staleness metrics show it); a reference publish (TBA') waits for that transfer instead,
+     since a skipped reference would stay wrong until the next reset.
+  3. --num-searchers is the number of ranks after the first; under --searcher-device auto a searcher rank
+     uses its LOCAL_RANK's GPU (cpu without CUDA).
+  4. Every node must be able to read --model (a hub id, or a path on a shared filesystem); the tiny preset's
+     warm start is built in rank 0's --cache-dir.
+
+Run `torchrun --standalone --nproc-per-node 3 distributed.py` to time the transport (README_dist.md).
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import importlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from buffer import Trajectory
+from config import ConfigError, RunError, Stopped, torchrun_rank
+from loss import OBJECTIVE_INPUTS
+from rollout import SearcherDied, merge_round
+
+POLL_S = 0.05  # how often a searcher's receiving thread looks for announced weights and for "stop"
+JOIN_TIMEOUT_S = 600  # every rank must reach the store and the process group within this (torchrun starts them
+                      # together; imports on a busy node can take a minute)
+
+
+class TrainerGone(RunError):
+    """A searcher rank lost the trainer (its store calls fail) or never got what it waits for."""
+
+
+# -----------------------------------------------------------------------------
+# The job: torchrun's environment, the store, the process group
+
+def configure(cfg):
+    """Under torchrun: one searcher per rank after the first; refuse what a torchrun job cannot do."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        raise ConfigError("torchrun started 1 process; rank 0 trains and ranks 1.. search: start at least 2 (--nproc-per-node)")
+    if cfg.sync:
+        raise ConfigError("--sync trains in one process, without searchers: run it without torchrun")
+    if cfg.on_searcher_failure == "restart":
+        raise ConfigError("--on-searcher-failure restart: under torchrun a failed searcher ends the job; "
+                          "restart the whole job with torchrun --max-restarts N and --auto-resume")
+    cfg.num_searchers = world - 1
+
+
+def connect(timeout_s=JOIN_TIMEOUT_S):
+    """The job's TCPStore, made as torchrun's env:// rendezvous makes it, and the gloo process group on it.
+    Every rank must arrive within timeout_s (also the store's default timeout; every gloo wait here passes
+    its own)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent_hosts_it, timeout=timeout, wait_for_workers=False,
+                              multi_tenant=True)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    except dist.DistError as e:
+        raise RunError(f"rank {rank}: the job's {world} ranks did not all meet within {timeout_s:g} s "
+                       f"({one_line(e)})") from None
+    store.set(f"host/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")
+    return store
+
+
+def one_line(e):
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+# -----------------------------------------------------------------------------
+# Messages: the job and the trajectories as JSON
+
+def encode_job(cfg, task, step, restarts):
+    """What a searcher rank needs, as JSON: the config, the task (its class and dataclass fields), the step
+    it starts at and the job's restart count (both seed it)."""
+    return json.dumps({"cfg": dataclasses.asdict(cfg), "task_class": [type(task).__module__, type(task).__qualname__],
+                       "task": {f.name: getattr(task, f.name) for f in dataclasses.fields(task)},
+                       "step": step, "restarts": restarts})
+
+
+def decode_job(text, config_cls):
+    """(cfg, task, step, restarts) from encode_job's text; the task's class is imported by name."""
+    job = json.loads(text)
+    module, name = job["task_class"]
+    task = getattr(importlib.import_module(module), name)(**job["task"])
+    return config_cls(**job["cfg"]), task, job["step"], job["restarts"]
+
+
+TRAJECTORY_FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
+
+
+def encode_batch(batch):
+    """A searcher's batch as JSON text: per Trajectory the record buffer.json keeps (Python's JSON writes
+    NaN for a log-prob left to the trainer, and floats round-trip exactly)."""
+    return json.dumps([{f: getattr(t, f) for f in TRAJECTORY_FIELDS} for t in batch])  # (asdict would deep-copy every id)
+
+
+def decode_batch(text):
+    return [Trajectory(**{**r, "response_ids": tuple(r["response_ids"])}) for r in json.loads(text)]
+
+
+# -----------------------------------------------------------------------------
+# Weights: a state dict as one byte tensor
+
+def layout(model):
+    """Where each state-dict tensor lies in the packed byte tensor: [(name, dtype, shape, offset, nbytes)],
+    and the packed size. Every tensor starts at a multiple of 16 bytes, so its bytes view back as its dtype."""
+    entries, offset = [], 0
+    for name, t in model.state_dict().items():
+        nbytes = t.numel() * t.element_size()
+        entries.append((name, t.dtype, tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // 16) * 16
+    return entries, offset
+
+
+def digest(entries):
+    """A fingerprint of a layout (names, dtypes, shapes): trainer and searchers must agree on it."""
+    return hashlib.sha1(json.dumps([(n, str(d), s) for n, d, s, _, _ in entries]).encode()).hexdigest()[:16]
+
+
+def pack(model, entries, out):
+    """Copy the state dict into `out`, a (size,) uint8 CPU tensor, at the offsets of `entries`."""
+    state = model.state_dict()
+    for name, _, _, offset, nbytes in entries:
+        out[offset:offset + nbytes].copy_(state[name].detach().reshape(-1).view(torch.uint8))
+    return out
+
+
+def unpack(flat, entries):
+    """{name: tensor} views into a packed byte tensor (no copy), for load_state_dict."""
+    return {name: flat[offset:offset + nbytes].view(dtype).view(shape) for name, dtype, shape, offset, nbytes in entries}
+
+
+class WeightSender:
+    """Rank 0's side of the weights: pack on the caller's thread (one copy), send on a background thread."""
+
+    def __init__(self, store, ranks, timeout_s):
+        self.store, self.ranks, self.timeout_s = store, ranks, timeout_s  # store: this thread's own client
+        self.thread, self.error, self.publishes, self.skipped = None, None, 0, 0
+        self.buffers = {}  # kind -> the byte tensor its transfers are packed into (reused while the size holds)
+
+    def busy(self):
+        return self.thread is not None and self.thread.is_alive()
+
+    def join(self, timeout_s):
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def send(self, items, wait=False):
+        """Send [(kind, version, model)] to every searcher. While a transfer is in flight this is skipped
+        (returns False), or with wait=True waits for it first (at most timeout_s)."""
+        self.publishes += 1
+        if self.busy() and not wait:
+            self.skipped += 1
+            return False
+        self.join(self.timeout_s)
+        if self.busy():
+            raise SearcherDied(f"a weight transfer took longer than --searcher-timeout {self.timeout_s:g} s")
+        messages = [(kind, version, *self._pack(kind, model)) for kind, version, model in items]
+        self.thread = threading.Thread(target=self._transfer, args=(messages,), name="weights-sender", daemon=True)
+        self.thread.start()
+        return True
+
+    def _pack(self, kind, model):
+        entries, size = layout(model)
+        if kind not in self.buffers or self.buffers[kind].numel() != size:
+            self.buffers[kind] = torch.empty(size, dtype=torch.uint8)
+        return pack(model, entries, self.buffers[kind]), digest(entries)
+
+    def _transfer(self, messages):
+        """Announce, then send, each message to every searcher; an error is kept for DistRollout.check_alive."""
+        rank = None
+        try:
+            for kind, version, flat, fingerprint in messages:
+                header = json.dumps({"kind": kind, "version": version, "nbytes": flat.numel(), "layout": fingerprint})
+                works = []
+                for rank in self.ranks:
+                    self.store.queue_push(f"weights/{rank}", header)
+                    works.append((rank, dist.isend(flat, dst=rank)))
+                for rank, work in works:
+                    work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # any failure: the run ends at the trainer's next check_alive, naming the rank
+            self.error = f"sending weights to searcher rank {rank} failed ({one_line(e)})"
+
+
+# -----------------------------------------------------------------------------
+# Rank 0: the rollout the trainer talks to
+
+class DistRollout:
+    """rollout.AsyncRollout's interface, its searchers being ranks 1..N-1 of the torchrun job. Always close() it."""
+
+    def __init__(self, cfg, store=None):
+        """Join the job. `store`: a store to use instead, without a process group (tests of the trajectory path)."""
+        self.cfg, self.period = cfg, cfg.sync_every  # merge and publish every k steps
+        self.store = store or connect()
+        self.ranks = list(range(1, cfg.num_searchers + 1))  # searcher i is rank i + 1
+        self.sender = WeightSender(self.store.clone(), self.ranks, cfg.searcher_timeout)
+        self.received, self.stop, self.failed, self.closed, self.send_ref = 0, None, False, False, False
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
+        self.last_heard = [time.time()] * cfg.num_searchers
+
+    def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
+        """Send the searchers their job, then the weights they start from."""
+        self.cfg = cfg
+        self.store.set("job", encode_job(cfg, task, step, self.restarts))
+        self.send_ref = "ref_logp" in OBJECTIVE_INPUTS[cfg.objective]  # only then do searchers score the reference
+        self.sender.send([("policy", step, policy)] + ([("ref", ref_version, ref)] if self.send_ref else []), wait=True)
+        self.last_heard = [time.time()] * cfg.num_searchers
+
+    def merge(self, buffer, step):
+        return merge_round(self, buffer, step)
+
+    def poll(self, i):
+        """The next batch searcher i (rank i + 1) sent, or None after a 10 ms pause (as AsyncRollout.poll waits)."""
+        try:
+            return decode_batch(self.store.queue_pop(f"traj/{i + 1}", block=False))
+        except dist.QueueEmptyError:
+            time.sleep(0.01)
+            return None
+
+    def sample(self, buffer):
+        cfg = self.cfg
+        return buffer.sample(cfg.num_queries, cfg.responses_per_query, cfg.m, cfg.prioritization, cfg.reward_temp)
+
+    def publish(self, policy, version):
+        self.sender.send([("policy", version, policy)])  # skipped while the previous transfer is in flight
+
+    def publish_ref(self, ref, version):
+        if self.send_ref:
+            self.sender.send([("ref", version, ref)], wait=True)
+
+    def check_alive(self):
+        """A failed weight transfer, or a searcher silent for --searcher-timeout, ends the run naming its rank."""
+        if self.sender.error:
+            self._fail(self.sender.error)
+        for i, heard in enumerate(self.last_heard):
+            silent = time.time() - heard
+            if silent >= self.cfg.searcher_timeout:
+                self._fail(f"searcher rank {i + 1} ({self.where(i + 1)}) sent nothing for {silent:.0f} s "
+                           f"(--searcher-timeout {self.cfg.searcher_timeout:g})")
+
+    def _fail(self, message):
+        self.failed = True
+        raise SearcherDied(message)
+
+    def where(self, rank):
+        """'host, pid N' of a rank, as it reported itself when it joined."""
+        key = f"host/{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else "host unknown"
+
+    def state_dict(self):
+        return {"restarts": self.restarts}  # what AsyncRollout keeps, so either can resume the other's run
+
+    def load_state_dict(self, state):
+        pass  # the count is torchrun's (TORCHELASTIC_RESTART_COUNT)
+
+    def close(self):
+        """Let a transfer in flight finish, tell the searchers to stop and, unless the run is failing, wait
+        (up to --searcher-timeout) until each has acknowledged it; their threads do within 50 ms. Safe to
+        call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        self.sender.join(10.0)
+        if self.sender.skipped:
+            print(f"weights: {self.sender.skipped} of {self.sender.publishes} publishes skipped (the previous "
+                  f"transfer was still in flight)")
+        failing = self.failed or self.sender.error or (self.stop is not None and self.stop.requested)
+        try:
+            self.store.set("stop", "1")
+            deadline = time.time() + (0 if failing else self.cfg.searcher_timeout)
+            while self.store.add("stopped", 0) < len(self.ranks) and time.time() < deadline:
+                time.sleep(0.1)
+            missing = len(self.ranks) - self.store.add("stopped", 0)
+            if missing and not failing:
+                print(f"warning: {missing} searcher rank(s) did not acknowledge the stop within "
+                      f"--searcher-timeout {self.cfg.searcher_timeout:g} s; torchrun will end them")
+        except dist.DistError:
+            pass  # the store went with torchrun's agent, which is ending the job: the searchers go with it
+        if not self.sender.busy() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# Ranks 1..N-1: the searchers
+
+class StoreLink:
+    """A searcher rank's connection to the trainer (searcher.searcher_main's `link`): batches go to its store
+    queue; a thread receives the weights."""
+
+    def __init__(self, store, rank, cfg):
+        self.store, self.rank, self.cfg = store, rank, cfg
+        self.ready, self.lock = {}, threading.Lock()  # kind -> (version, layout digest, byte tensor)
+        self.stopped, self.error = threading.Event(), None
+        self.thread = threading.Thread(target=self._receive, args=(store.clone(),), name="weights-receiver", daemon=True)
+        self.thread.start()
+
+    def alive(self):
+        """False once the trainer said stop; raises TrainerGone if the receiving thread lost it."""
+        if self.error:
+            raise TrainerGone(self.error)
+        return not self.stopped.is_set()
+
+    def put(self, batch):
+        """Push a batch to this rank's queue, waiting while it holds --queue-size batches; False if stopped meanwhile."""
+        key, text = f"traj/{self.rank}", encode_batch(batch)
+        while self.alive():
+            try:
+                if self.store.queue_len(key) < self.cfg.queue_size:
+                    self.store.queue_push(key, text)
+                    return True
+            except dist.DistError:
+                if self.stopped.is_set():
+                    return False  # the trainer said stop and went, between alive() and this call
+                raise
+            time.sleep(0.1)
+        return False
+
+    def pull(self, kind, model, have_version):
+        """Load the newest received "policy" or "ref" weights into `model` if newer than have_version; returns
+        the version it holds. The first call waits for the trainer's first transfer."""
+        deadline = time.time() + self.cfg.searcher_timeout
+        while kind not in self.ready and self.alive():
+            if time.time() > deadline:
+                raise TrainerGone(f"searcher rank {self.rank}: no {kind} weights from the trainer within "
+                                  f"--searcher-timeout {self.cfg.searcher_timeout:g} s")
+            time.sleep(POLL_S)
+        with self.lock:
+            if kind not in self.ready or self.ready[kind][0] == have_version:
+                return have_version
+            version, fingerprint, flat = self.ready[kind]
+            entries, _ = layout(model)
+            if fingerprint != digest(entries):
+                raise TrainerGone(f"searcher rank {self.rank}: its model's state dict differs from the trainer's "
+                                  f"(names, shapes or dtypes); every node must load the same --model")
+            model.load_state_dict(unpack(flat, entries))
+            return version
+
+    def _receive(self, store):
+        """The receiving thread: wait for an announced transfer (or "stop"), receive it, make it the newest."""
+        landing = {}  # kind -> a byte tensor no one reads, to receive the next transfer into
+        try:
+            while not self.stopped.is_set():
+                try:
+                    header = json.loads(store.queue_pop(f"weights/{self.rank}", block=False))
+                except dist.QueueEmptyError:
+                    if store.check(["stop"]):  # the loop makes no store call once stopped is set: the
+                        self.stopped.set()  # trainer, which waits for this, may go (taking its store)
+                        store.add("stopped", 1)
+                    time.sleep(POLL_S)
+                    continue
+                kind, flat = header["kind"], landing.pop(header["kind"], None)
+                if flat is None or flat.numel() != header["nbytes"]:
+                    flat = torch.empty(header["nbytes"], dtype=torch.uint8)
+                dist.irecv(flat, src=0).wait(datetime.timedelta(seconds=self.cfg.searcher_timeout))
+                with self.lock:
+                    previous = self.ready.get(kind)
+                    self.ready[kind] = (header["version"], header["layout"], flat)
+                if previous is not None:
+                    landing[kind] = previous[2]
+        except Exception as e:  # any failure: the searcher loop raises it at its next alive()
+            self.error = f"searcher rank {self.rank} lost the trainer ({one_line(e)})"
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join(2 * POLL_S + 1.0)
+        if not self.thread.is_alive() and dist.is_initialized():  # (a thread stuck in a gloo wait: leave it)
+            dist.destroy_process_group()
+
+
+def searcher_rank_main(cfg):
+    """A searcher rank: join the job, wait for the trainer's job, run the searcher loop until told to stop.
+    Returns the exit code (0: the trainer said stop)."""
+    rank = torchrun_rank()
+    exit_on_signals(rank)
+    store = connect()
+    import transformers.modeling_utils  # noqa: F401  (the slow import, done while the trainer loads its models)
+    text = wait_for_job(store)
+    if text is None:  # the trainer stopped before it sent a job
+        store.add("stopped", 1)
+        return 0
+    own_device = cfg.searcher_device
+    cfg, task, step, restarts = decode_job(text, type(cfg))
+    cfg.searcher_device = local_device(own_device, rank)
+    if cfg.backend == "vllm":
+        hide_torchrun_env()
+    link = StoreLink(store, rank, cfg)
+    try:
+        from searcher import searcher_main
+        searcher_main(rank - 1, cfg, task, cfg.seed + step + 1000 * rank + 100_000 * restarts, link)
+    except dist.DistError as e:
+        raise TrainerGone(f"searcher rank {rank} lost the trainer ({one_line(e)})") from None
+    finally:
+        link.close()
+    return 0
+
+
+def wait_for_job(store):
+    """The job's JSON text, or None if the trainer said stop first. Waits as long as the trainer is there
+    (building the tiny preset's warm start takes minutes); each poll returns at once, and one fails when
+    the store is gone."""
+    while not store.check(["job"]):
+        if store.check(["stop"]):
+            return None
+        time.sleep(0.2)
+    return store.get("job")
+
+
+def local_device(flag, rank):
+    """This searcher rank's device: under --searcher-device auto its LOCAL_RANK's GPU (cpu without CUDA),
+    else its entry of the flag (one device for all, or one per searcher)."""
+    if flag == "auto":
+        return f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu"
+    devices = flag.split(",")
+    return devices[0] if len(devices) == 1 else devices[rank - 1]
+
+
+def exit_on_signals(rank):
+    """torchrun ends a job by sending each rank SIGTERM (SIGINT after a Ctrl-C): a searcher just goes."""
+    def stop(signum, frame):
+        raise Stopped(signum, f"searcher rank {rank}")
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, stop)
+
+
+def hide_torchrun_env():
+    """vLLM reads torchrun's variables and sizes its own world by them (vllm#3088): remove them before it
+    starts (this rank's process group is already up). Not run on this project's machines, which have no GPU."""
+    for name in list(os.environ):
+        if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
+                    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or name.startswith("TORCHELASTIC_"):
+            del os.environ[name]
+
+
+# -----------------------------------------------------------------------------
+# Timing the transport: torchrun --standalone --nproc-per-node 3 distributed.py
+
+class _Flat(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+
+def _benchmark(batches=300, sizes=(10_000_000, 100_000_000)):
+    """Trajectory messages per second through the store (searchers push tiny-preset-sized batches of 64
+    trajectories of 40 tokens as fast as they can; rank 0 drains them), and the weights: packing on the
+    trainer's thread, the background transfer, and the time until every searcher has loaded them."""
+    import types
+    rank, world = torchrun_rank(), int(os.environ["WORLD_SIZE"])
+    cfg = types.SimpleNamespace(num_searchers=world - 1, sync_every=1, searcher_timeout=300.0, queue_size=10 ** 9)
+    if rank:
+        store = connect()
+        link = StoreLink(store, rank, cfg)
+        batch = [Trajectory(query_id=i, response_ids=tuple(range(40)), reward=1.0, policy_version=0) for i in range(64)]
+        store.wait(["go"])
+        for _ in range(batches):
+            link.put(batch)
+        for n in sizes:
+            while link.ready.get("policy", (None,))[0] != n and link.alive():  # (a model of this size's weights)
+                time.sleep(0.001)
+            link.pull("policy", _Flat(n), -1)
+            store.add(f"loaded/{n}", 1)
+        while link.alive():
+            time.sleep(POLL_S)
+        link.close()
+        return
+    rollout = DistRollout(cfg)
+    rollout.store.set("go", "1")
+    t0, got = time.time(), 0
+    while got < batches * cfg.num_searchers:
+        got += sum(rollout.poll(i) is not None for i in range(cfg.num_searchers))
+    seconds = time.time() - t0
+    print(f"trajectories: {got} messages of 64 trajectories x 40 tokens from {cfg.num_searchers} searchers in "
+          f"{seconds:.2f} s: {got / seconds:.0f} messages/s, {64 * got / seconds:.0f} trajectories/s", flush=True)
+    for n in sizes:
+        model = _Flat(n)
+        t0 = time.time()
+        rollout.sender.send([("policy", n, model)], wait=True)
+        t_packed = time.time()
+        rollout.sender.join(300)
+        t_sent = time.time()
+        while rollout.store.add(f"loaded/{n}", 0) < cfg.num_searchers:
+            time.sleep(0.001)
+        assert not rollout.sender.error, rollout.sender.error
+        print(f"weights: {n / 1e6:.0f}M float32 parameters ({4 * n / 1e6:.0f} MB) to {cfg.num_searchers} searchers: "
+              f"pack {t_packed - t0:.3f} s (trainer's thread), transfer {t_sent - t_packed:.3f} s (background), "
+              f"loaded by all {time.time() - t0:.3f} s after the publish", flush=True)
+    rollout.close()
+
+
+if __name__ == "__main__":
+    _benchmark()
