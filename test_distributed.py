@@ -274,7 +274,8 @@ def test_torchrun_run_learns(tmp_path, cache_dir):
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(30))
     assert max(r["searcher/version"] for r in rows) > 0, "the searchers generated with published weights"
-    assert max(r["staleness/latest_max"] for r in rows) <= 3, "most-on-policy draws at most 2k-1 steps stale"
+    k = 2
+    assert all(r["staleness/latest_max"] <= r["buffer/round_age"] + k for r in rows), "the buffer's staleness bound"
     task, tokenizer, final, ref = _run_task_and_models(run)
     with open(run / "checkpoints" / "step-000030" / "buffer.json") as f:
         items = json.load(f)["items"]
