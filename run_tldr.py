@@ -42,14 +42,14 @@ from dataclasses import dataclass
 from config import ConfigError, Config, knob, main
 
 TINY = dict(
-    run_dir="runs/tldr-tiny", steps=200, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
+    run_dir="runs/tldr-tiny", steps=50, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, loss_temperature=0.7, max_new_tokens=24,
     no_eos_reward=-1.0, batch_size=64, responses_per_query=8, micro_batch_queries=8, micro_batch=64,
-    lr=2e-4, warmup_steps=10, stable_steps=140, decay_steps=50, lr_floor=0.1,
+    lr=2e-4, warmup_steps=5, stable_steps=30, decay_steps=15, lr_floor=0.1,
     beta_start=0.2, beta_end=0.2, beta_decay_steps=0,  # constant beta
     sync_every=4, initial_completions=256, m=0.5, capacity_per_query=64,
-    eval_every=20, eval_size=200, eval_batch_size=100, log_every=10,
+    eval_every=10, eval_size=200, eval_batch_size=100, log_every=10,
 )
 
 PAPER = dict(
@@ -86,23 +86,23 @@ class TLDRConfig(Config):
     tiny_eval_size: int = knob(200, "tiny: generated held-out posts")
     tiny_hidden: int = knob(96, "tiny: policy width (attention heads of 32 dimensions)")
     tiny_layers: int = knob(3, "tiny: policy transformer layers")
-    tiny_sft_steps: int = knob(500, "tiny: SFT steps on the reference summaries")
-    tiny_sft_batch: int = knob(64, "tiny: SFT batch size")
+    tiny_sft_steps: int = knob(300, "tiny: SFT steps on the reference summaries")
+    tiny_sft_batch: int = knob(32, "tiny: SFT batch size")
     tiny_sft_lr: float = knob(3e-3, "tiny: SFT peak learning rate")
     tiny_rm_hidden: int = knob(64, "tiny: proxy reward model width")
     tiny_rm_layers: int = knob(2, "tiny: proxy reward model transformer layers")
-    tiny_rm_steps: int = knob(400, "tiny: proxy reward model training steps (Bradley-Terry)")
-    tiny_rm_batch: int = knob(64, "tiny: summary pairs per reward-model step")
+    tiny_rm_steps: int = knob(300, "tiny: proxy reward model training steps (Bradley-Terry)")
+    tiny_rm_batch: int = knob(32, "tiny: summary pairs per reward-model step")
     tiny_rm_lr: float = knob(2e-3, "tiny: proxy reward model peak learning rate")
 
 
 def make_task(cfg, preset):
     """The TL;DR task; for tiny, also the SFT policy (unless --model) and the proxy RM (unless --proxy-rm)."""
+    if preset == "paper" and not (cfg.proxy_rm and cfg.gold_rm):
+        raise ConfigError("--proxy-rm and --gold-rm are needed with real data (fact_score is the tiny preset's gold)")
     from transformers import AutoTokenizer
     from tldr import TLDRTask, tldr_rows
     if preset == "paper":
-        if not (cfg.proxy_rm and cfg.gold_rm):
-            raise ConfigError("--proxy-rm and --gold-rm are needed with real data (fact_score is the tiny preset's gold)")
         train_rows, eval_rows = tldr_rows("train", cfg.data_dir), tldr_rows("validation", cfg.data_dir)
     else:
         import torch
@@ -287,10 +287,12 @@ def train_reward_model(model, tokenizer, pairs, steps, batch_size, lr, seed):
 def pair_accuracy(model, tokenizer, pairs, batch_size=200):
     """Fraction of pairs whose chosen summary the reward model scores higher."""
     import torch
+    wins = 0
     with torch.no_grad():
-        wins = [(c > r).float().sum().item()
-                for c, r in (pair_rewards(model, tokenizer, pairs[i:i + batch_size]) for i in range(0, len(pairs), batch_size))]
-    return sum(wins) / len(pairs)
+        for i in range(0, len(pairs), batch_size):
+            r_chosen, r_rejected = pair_rewards(model, tokenizer, pairs[i:i + batch_size])
+            wins += (r_chosen > r_rejected).sum().item()
+    return wins / len(pairs)
 
 
 PRESETS = {"tiny": TINY, "paper": PAPER}

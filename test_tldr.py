@@ -37,7 +37,7 @@ def test_truncation_cuts_post_at_last_newline_then_by_character():
     count = lambda text: len(text.split())  # one token per word, so lengths can be checked by hand
     row = {"subreddit": "s", "title": "t", "post": "one two\nthree four\nfive six seven", "summary": "x"}
     head = len(TLDR_PROMPT.format(subreddit="s", title="t", post="").split())  # 6 words without the post
-    assert tldr_query(row, count, head + 7) == TLDR_PROMPT.format(subreddit="s", title="t", post="one two\nthree four\nfive six seven")
+    assert tldr_query(row, count, head + 7) == TLDR_PROMPT.format(subreddit="s", title="t", post=row["post"]), "fits"
     assert tldr_query(row, count, head + 6).endswith("POST: one two\nthree four\n\nTL;DR:"), "cut at the last newline"
     assert tldr_query(row, count, head + 2).endswith("POST: one two\n\nTL;DR:"), "cut again at the new last newline"
     # no newline left: drop one character at a time ("one tw" is still 2 words, "one " is 1)
@@ -99,15 +99,15 @@ def test_task_from_official_rows_truncates_to_max_tokens():
 # -----------------------------------------------------------------------------
 # Gold score, win rate, Bradley-Terry, KL and perplexity
 
-META = {"facts": ["boss stole car", "mom sold ring", "dad lost keys"], "distractors": ["we like tea", "i watched chess"]}
+META = {"facts": ["boss cut pay", "mom sold car", "dad lost job"], "distractors": ["we like tea", "i watched chess"]}
 
 
 @pytest.mark.parametrize("summary,gold", [
-    (" boss stole car , mom sold ring , dad lost keys .", 3.0),
-    (" boss stole car , mom sold ring .", 2.0),
-    (" boss stole car , we like tea , boss stole car .", 1 - 1 - 0.5),
-    (" boss stole bike .", -1.0),  # garbled: not a fact of this post
-    (" boss stole car , mom sold ring , dad lost keys , dad lost keys , dad lost keys .", 3 - 2 * 0.5 - 0.25 * (20 - 14)),  # 15 words, 4 commas, 1 full stop
+    (" boss cut pay , mom sold car , dad lost job .", 3.0),
+    (" boss cut pay , mom sold car .", 2.0),
+    (" boss cut pay , we like tea , boss cut pay .", 1 - 1 - 0.5),
+    (" boss cut car .", -1.0),  # garbled: not a fact of this post
+    (" boss cut pay , mom sold car , dad lost job , dad lost job , dad lost job .", 3 - 2 * 0.5 - 0.25 * (20 - 14)),
     ("", 0.0),
 ])
 def test_fact_score(summary, gold):
@@ -207,7 +207,8 @@ def test_reward_model_scores_at_eos(tmp_path, pad):
         assert batched[0] == pytest.approx(rm.model.score(hidden[0, -1]).item(), abs=1e-5)
     input_ids, attention_mask = reward_inputs(rm.tokenizer, prompts, responses)
     assert (attention_mask.cummin(dim=1).values == attention_mask).all() and not attention_mask.all(), "right padding"
-    assert (input_ids[attention_mask == 0] == rm_pad_id(rm.tokenizer)).all() and rm_pad_id(rm.tokenizer) != tokenizer.eos_token_id
+    pad = rm_pad_id(rm.tokenizer)
+    assert (input_ids[attention_mask == 0] == pad).all() and pad != tokenizer.eos_token_id, "padded, never with EOS"
 
 
 def test_no_eos_penalty_replaces_the_score():
@@ -235,7 +236,8 @@ def _dry_run_values(*flags):
     out = subprocess.run([sys.executable, os.path.join(HERE, "run_tldr.py"), *flags, "--dry-run"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return {k.strip(): v.strip() for k, v in (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)}, out.stdout
+    pairs = (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)
+    return {k.strip(): v.strip() for k, v in pairs}, out.stdout
 
 
 def test_paper_preset_dry_run_prints_paper_values():
@@ -293,12 +295,12 @@ def test_paper_code_path_with_tiny_random_gpt_neox(tmp_path):
     assert json.load(open(run_dir / "final" / "config.json"))["architectures"] == ["GPTNeoXForCausalLM"]
 
 
-def test_paper_preset_needs_both_reward_models(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(HERE, "run_tldr.py"), "--preset", "paper", "--gold-rm", "",
-                          "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--num-searchers", "1",
-                          "--searcher-device", "cpu", "--backend", "hf"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--gold-rm" in out.stderr
+def test_paper_preset_needs_both_reward_models():
+    import config
+    import run_tldr
+    cfg, preset = config.parse_config(run_tldr.TLDRConfig, run_tldr.PRESETS, ["--preset", "paper", "--gold-rm", ""])
+    with pytest.raises(ConfigError, match="--gold-rm"):
+        run_tldr.make_task(cfg, preset)  # before any data or model is loaded
 
 
 def test_tiny_preset_async_run(tmp_path):
@@ -321,4 +323,5 @@ def test_tiny_preset_async_run(tmp_path):
     rm_dirs = [d for d in os.listdir(cache) if d.startswith("tldr-tiny-rm-")]
     assert len(rm_dirs) == 1 and "heldout_pair_accuracy" in json.load(open(cache / rm_dirs[0] / "settings.json"))
     config = json.load(open(tmp_path / "run" / "config.json"))
-    assert config["proxy_rm"] == str(cache / rm_dirs[0]) and config["gold_rm"] == "", "trained on the proxy, judged by fact_score"
+    assert config["proxy_rm"] == str(cache / rm_dirs[0]), "trained on the proxy RM built here"
+    assert config["gold_rm"] == "", "judged by fact_score"

@@ -14,16 +14,17 @@ Rewards. The policy is trained on a *proxy* reward model and judged by a *gold* 
     win rate = mean_x [ gold(x, y_policy(x)) > gold(x, y_reference(x)) ]      (ties lose)
 A reward model is an AutoModelForSequenceClassification with one label (`RewardModel`). It reads the text
 prompt + response, then EOS, and its score is read at that EOS token, where TRL's get_reward reads the
-official proxy RM (and where both official RMs' training pairs end). The official trainer replaces the score of a response with no EOS by
--1 (`--no-eos-reward -1`, applied by the searchers); the official evaluation applies no such penalty.
+official proxy RM. The official trainer replaces the score of a response with no EOS by -1
+(`--no-eos-reward -1`, applied by the searchers); the official evaluation applies no such penalty.
 In the tiny preset the gold is a program, `fact_score` (see run_tldr.py for the corpus it grades).
 
 Evaluation (`TLDRTask.evaluate`), on the first n validation prompts, one greedy response each:
     win_rate        as above
     gold_reward     mean gold(x, y);  proxy_reward: mean proxy(x, y), no EOS penalty
     kl              the exact KL(pi_sft || pi) per response token, at temperature 1, teacher-forced on y:
-                    mean over the tokens t of y of  sum_v pi_sft(v | x, y_<t) [log pi_sft(v | x, y_<t) - log pi(v | x, y_<t)],
-                    then mean over prompts (the official src/kl.py computes the same full-vocabulary sum)
+                    mean over the tokens t of y of  sum_v pi_sft(v|x,y_<t) [log pi_sft(v|x,y_<t) - log pi(v|x,y_<t)],
+                    then mean over prompts: the official src/kl.py's quantity (same direction, the whole
+                    vocabulary, no sampling estimator), not the sampled log pi - log pi_ref of loss/kl
     ppl             exp(mean over the tokens of y of -log pi_sft(y_t | x, y_<t)), then mean over prompts
     response_tokens mean response length, EOS included
 pi_sft is the initial policy (--ref-model, else --model), loaded once in the trainer process by evaluate.
@@ -86,7 +87,8 @@ def load_tldr(path):
     for where, row in _records(path):
         missing = [k for k in TLDR_FIELDS if not isinstance(row, dict) or not isinstance(row.get(k), str)]
         if missing:
-            raise ConfigError(f"{where}: a TL;DR row needs string fields {', '.join(TLDR_FIELDS)} (bad: {', '.join(missing)})")
+            raise ConfigError(f"{where}: a TL;DR row needs string fields {', '.join(TLDR_FIELDS)} "
+                              f"(bad: {', '.join(missing)})")
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no TL;DR rows")
@@ -192,9 +194,9 @@ def fact_score(prompts, responses, metas):
                - 1.0 per phrase that is neither a fact nor a distractor of the post  (garbled or invented)
                - 0.5 per repeat of a phrase already stated
                - 0.25 per word beyond 14  (a perfect three-fact summary has 12)
-    e.g. facts {boss stole car, mom sold ring, dad lost keys}, distractors {we like tea, i watched chess}:
-        "boss stole car , mom sold ring ."                -> 2
-        "boss stole car , we like tea , boss stole car ." -> 1 - 1 - 0.5 = -0.5
+    e.g. facts {boss cut pay, mom sold car, dad lost job}, distractors {we like tea, i watched chess}:
+        "boss cut pay , mom sold car ."                -> 2
+        "boss cut pay , we like tea , boss cut pay ." -> 1 - 1 - 0.5 = -0.5
     """
     return [_fact_score(r, m) for r, m in zip(responses, metas)]
 
