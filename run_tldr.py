@@ -1,5 +1,5 @@
 """
-TL;DR summarisation with TBA: `python run_tldr.py` (the offline tiny preset, a few minutes on 2 CPU cores)
+TL;DR summarisation with TBA: `python run_tldr.py` (the offline tiny preset, under 10 minutes on 2 CPU cores)
 or `python run_tldr.py --preset paper` (the paper's run, on GPUs).
 
 Presets (pick with --preset; every field can still be overridden by its own flag):
@@ -60,6 +60,7 @@ PAPER = dict(
     steps=256,  # 40,960 episodes / 160
     dtype="float32",  # the official trainer ran in fp32 (fp16 only in vLLM); lr 3e-6 steps vanish in bf16 weights
     device="auto", searcher_device="auto", num_searchers=3, backend="auto",  # 1 trainer + 3 searcher GPUs
+    vllm_gpu_memory_utilization=0.25,  # as the official searchers
     trainer_threads=4, searcher_threads=4,
     prompts_per_search=1, samples_per_prompt=20,  # one prompt x S = 20 per vLLM call, as the official 1b run
     temperature=0.7, loss_temperature=0.7,  # logits / 0.7 for pi and pi_ref in the loss, as sampled
