@@ -46,7 +46,8 @@ TINY = dict(
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, loss_temperature=0.7, max_new_tokens=24,
     no_eos_reward=-1.0, batch_size=64, responses_per_query=8, micro_batch_queries=8, micro_batch=64,
-    lr=1e-4, warmup_steps=5, stable_steps=30, decay_steps=15, lr_floor=0.1,  # 2e-4 overshot once (step 20) in both seeds
+    lr=1e-4, warmup_steps=5, stable_steps=30, decay_steps=15, lr_decay="linear", lr_floor=0.1,  # 2e-4 overshot
+    grad_clip=1.0,
     beta_start=0.2, beta_end=0.2, beta_decay_steps=0,  # constant beta
     sync_every=4, initial_completions=256, m=0.5, capacity_per_query=64,
     eval_every=10, eval_size=200, eval_batch_size=100, log_every=10,
@@ -66,8 +67,8 @@ PAPER = dict(
     temperature=0.7, loss_temperature=0.7,  # logits / 0.7 for pi and pi_ref in the loss, as sampled
     max_new_tokens=128, no_eos_reward=-1.0, max_prompt_tokens=512,
     batch_size=160, responses_per_query=20, micro_batch_queries=1, micro_batch=20,  # 8 prompts x K = 20
-    lr=3e-6, warmup_steps=0, stable_steps=0, decay_steps=256, lr_floor=0.0,  # linear decay to 0, no warmup
-    grad_clip=float("inf"),  # the official TL;DR trainer never clips
+    lr=3e-6, warmup_steps=0, stable_steps=0, decay_steps=256, lr_decay="linear", lr_floor=0.0,  # to 0, no warmup
+    grad_clip=0.0,  # no clipping: the official TL;DR trainer never clips
     beta_start=1.0, beta_end=0.05, beta_decay_steps=128,
     beta_stop_step=31,  # official update 32 (counted from 1) is our step 31 (counted from 0): beta = 0.05 from there
     sync_every=10, m=0.5, initial_completions=10_000, capacity_per_query=100, prioritization="softmax", reward_temp=1.0,

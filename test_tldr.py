@@ -247,7 +247,7 @@ def test_paper_preset_dry_run_prints_paper_values():
             "responses_per_query": "20", "samples_per_prompt": "20", "steps": "256", "sync_every": "10", "m": "0.5",
             "capacity_per_query": "100", "prioritization": "softmax", "reward_temp": "1.0",
             "initial_completions": "10000", "lr": "3e-06", "warmup_steps": "0", "stable_steps": "0",
-            "decay_steps": "256", "lr_floor": "0.0", "grad_clip": "inf", "temperature": "0.7",
+            "decay_steps": "256", "lr_decay": "linear", "lr_floor": "0.0", "grad_clip": "0.0", "temperature": "0.7",
             "loss_temperature": "0.7", "beta_start": "1.0", "beta_end": "0.05", "beta_decay_steps": "128",
             "beta_stop_step": "31", "max_new_tokens": "128", "no_eos_reward": "-1.0", "num_searchers": "3",
             "query_tokens": "512", "max_prompt_tokens": "512", "objective": "tb",
@@ -292,7 +292,7 @@ def test_paper_code_path_with_tiny_random_gpt_neox(tmp_path):
     assert all(np.isfinite(rows[-1][k]) for k in EVAL_KEYS) and rows[0]["eval/kl"] == pytest.approx(0.0, abs=1e-5)
     assert re.fullmatch(r"win_rate: before [\d.]+% -> after [\d.]+%", out.stdout.splitlines()[-1])
     resolved = json.load(open(run_dir / "config.json"))
-    assert resolved["beta_start"] == 1.0 and resolved["grad_clip"] == float("inf") and resolved["no_eos_reward"] == -1.0
+    assert resolved["beta_start"] == 1.0 and resolved["grad_clip"] == 0.0 and resolved["no_eos_reward"] == -1.0
     assert json.load(open(run_dir / "final" / "config.json"))["architectures"] == ["GPTNeoXForCausalLM"]
 
 

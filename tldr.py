@@ -220,7 +220,7 @@ def win_rate(gold_policy, gold_reference):
     return sum(g > r for g, r in zip(gold_policy, gold_reference)) / len(gold_policy)
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask):
+def next_token_logprobs(model, input_ids, attention_mask, response_mask):
     """log pi(. | x, y_<t) over the vocabulary at each response position t, temperature 1: (N, R, V)."""
     R = int(response_mask.sum(dim=1).max())
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (N, T) left padding does not shift positions
@@ -235,7 +235,7 @@ def kl_and_perplexity(policy, sft, prompt_ids, responses, pad_id, micro_batch):
     device = next(policy.parameters()).device
     for i in range(0, len(responses), micro_batch):
         batch = [t.to(device) for t in make_batch(prompt_ids[i:i + micro_batch], responses[i:i + micro_batch], pad_id)]
-        logp, sft_logp = response_logprobs(policy, *batch), response_logprobs(sft, *batch)  # (n, R, V)
+        logp, sft_logp = next_token_logprobs(policy, *batch), next_token_logprobs(sft, *batch)  # (n, R, V)
         R = logp.shape[1]
         mask, tokens = batch[2][:, -R:].float(), batch[0][:, -R:]  # (n, R)
         kl_t = (sft_logp.exp() * (sft_logp - logp)).sum(dim=-1)  # (n, R) KL of the next-token distributions
