@@ -43,15 +43,26 @@ def word_tokenizer(words):
 
 def tiny_llama(tokenizer, hidden, layers, max_len, seed, head_dim=32):
     """A small LlamaForCausalLM with random weights (tied embeddings; hidden / head_dim heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     torch.manual_seed(seed)
+    return LlamaForCausalLM(_llama_config(tokenizer, hidden, layers, max_len, head_dim, tie_word_embeddings=True))
+
+
+def tiny_classifier(tokenizer, hidden, layers, max_len, seed, head_dim=32):
+    """A small LlamaForSequenceClassification with one label (a reward model), random weights; it scores
+    the last token that is not padding."""
+    from transformers import LlamaForSequenceClassification
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(_llama_config(tokenizer, hidden, layers, max_len, head_dim, num_labels=1))
+
+
+def _llama_config(tokenizer, hidden, layers, max_len, head_dim, **extra):
+    from transformers import LlamaConfig
     heads = hidden // head_dim
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=head_dim, max_position_embeddings=max_len, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    return LlamaForCausalLM(config)
+    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       head_dim=head_dim, max_position_embeddings=max_len, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
 
 
 def num_params(model):
