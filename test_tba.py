@@ -1047,6 +1047,7 @@ def test_a_stopped_searcher_ends_the_run_naming_it(tmp_path, cache_dir):
 
 
 def test_an_empty_sync_is_logged(capsys):
+    import metrics
     import tba
     from types import SimpleNamespace
 
@@ -1055,7 +1056,7 @@ def test_an_empty_sync_is_logged(capsys):
 
         def merge(self, buffer, step):
             return []
-    run = SimpleNamespace(rollout=Silent(), buffer=ReplayBuffer(4), start=0, meter=tba.Meter(),
+    run = SimpleNamespace(rollout=Silent(), buffer=ReplayBuffer(4), start=0, meter=metrics.Meter(),
                           state={"fresh_reward": 0.5, "searcher_version": 0})
     tba.merge(run, 8)
     assert "sync at step 8: no new trajectories from the searchers" in capsys.readouterr().out
