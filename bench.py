@@ -7,7 +7,9 @@ Protocol
   - every run is the preset's full schedule, learning-rate decay included;
   - the score of a run is the mean of its last 3 evaluations of the task's headline metric (one evaluation
     is noisy: greedy accuracy of the tiny model moves by several points between neighbouring steps);
-  - a cell is reported as mean +- the half-width of a 95% Student-t interval over its seeds.
+  - a cell is reported as mean +- the half-width of a 95% Student-t interval over its seeds;
+  - each seed's warm start (SFT, reward model, ...) is built by a 1-step run before any measured run, so
+    no measured time includes it.
 
 Experiments (--sections)
   speed      async TBA vs the --sync baseline (same loss, batch and model): seconds from launch to the
@@ -18,12 +20,14 @@ Experiments (--sections)
              staleness, gradient norm, KL, spread of log Z across prompts.
   buffer     most-on-policy probability m in {0, 0.5, 0.95} x prioritisation {softmax, uniform}, TB.
   tba_prime  TB with beta decaying linearly against TBA' (constant beta, reference reset every rho steps).
-  tldr       the paper's Table 1 in miniature on the tiny TL;DR preset, at its most off-policy setting:
-             win rate and KL for TB, RLOO and Online DPO.
+  tldr       the paper's Table 1 in miniature on the tiny TL;DR preset at the paper's most off-policy
+             setting, sync every k = 10 steps with m = 0.5 (the tiny preset's own k is 4): win rate and KL
+             for TB, RLOO and Online DPO.
 
 Output: one markdown table per section on stdout and in results/<section>.md, a PNG per section in
-results/ (matplotlib, optional), and every run as a row of results/runs.csv. Each file names the command,
-the date, the machine and the wall time that made it.
+results/ (matplotlib, optional), and every run as a row of results/runs.csv (kept across invocations; a
+run made again replaces its row). Each section's file names the command, the date, the machine and the
+section's wall time.
 
 Departures: the paper measures on GPUs with vLLM searchers; here the searcher and the trainer share 2 CPU
 cores, so the async speedup is bounded by how the two processes split the machine (the speed section
@@ -58,6 +62,7 @@ class BenchConfig:
     target: float = knob(0.7, "headline score for the time-to-target comparison (GSM8K accuracy)")
     eval_every: int = knob(25, "evaluate every this many steps (the score is the mean of the last 3 evaluations)")
     speed_eval_every: int = knob(10, "evaluation period of the speed runs (time to target is read at evaluations)")
+    tldr_eval_every: int = knob(10, "evaluation period of the TL;DR runs (50 steps: the score is steps 30-50)")
     cache_dir: str = knob("~/.cache/tba", "where the tiny presets' warm starts are cached (shared by all runs)")
     seconds_per_run: float = knob(150.0, "expected seconds per full run, for the wall-time estimate printed first")
 
@@ -95,13 +100,14 @@ def summarise(records, headline, target):
     evals = [r for r in records if r.get(headline) is not None]
     hit = next((r["time/eval_since_launch"] for r in evals if r[headline] >= target), None)
     mean = lambda key: _mean([r[key] for r in steps if r.get(key) is not None])
-    return {"score": _mean([r[headline] for r in evals[-3:]]), "before": evals[0][headline],
+    trained = [r for r in evals if r["step"] > 0]  # the evaluation before training never counts in the score
+    return {"score": _mean([r[headline] for r in trained[-3:]]), "before": evals[0][headline],
             "time_to_target_s": None if hit is None else round(hit, 1),
             "startup_s": round(steps[0]["time/since_launch"] - steps[0]["time/train"], 1),
             "busy": steps[-1]["perf/busy"], "tokens_per_s": steps[-1]["perf/tokens_per_s"],
             "latest_frac": mean("buffer/latest_frac"), "staleness_mean": mean("staleness/mean"),
             "staleness_max": max(r["staleness/max"] for r in steps), "grad_norm": mean("grad/norm"),
-            "kl": mean("loss/kl"), "log_Z_std": mean("loss/log_Z_std"),
+            "kl": mean("loss/kl"), "log_Z_std": mean("loss/log_Z_std"), "eval_kl": evals[-1].get("eval/kl"),
             "curve": [(r["step"], r[headline]) for r in evals]}
 
 
@@ -136,7 +142,25 @@ def fmt(values, scale=1.0, digits=1):
 
 def cell(cfg, script, name, flags, eval_every=None):
     """The runs of one configuration over cfg.seeds seeds."""
+    warm_up(cfg, script)
     return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every) for s in range(cfg.seeds)]
+
+
+WARM = set()  # (script, seed) pairs whose warm start is known to be cached
+
+
+def warm_up(cfg, script):
+    """Build (or find) each seed's cached warm start with a 1-step run, so that no measured run includes it:
+    a run's seconds from launch then mean the same thing whichever run of a seed comes first."""
+    for seed in range(cfg.seeds):
+        if (script, seed) not in WARM:
+            cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--steps", "1", "--overwrite",
+                   "--run-dir", os.path.join(cfg.out, "runs", f"warm-up-{script[:-3]}-seed{seed}"),
+                   "--cache-dir", cfg.cache_dir, "--seed", str(seed), "--eval-every", "0"]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"warm-up failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
+            WARM.add((script, seed))
 
 
 # -----------------------------------------------------------------------------
@@ -190,16 +214,17 @@ def tba_prime(cfg):
 
 def tldr(cfg):
     objectives = ("tb", "rloo") if cfg.quick else ("tb", "rloo", "online_dpo")
-    cells = {o: cell(cfg, "run_tldr.py", f"tldr-{o}", ["--objective", o]) for o in objectives}
-    rows = [{"objective": o, "win rate (%)": fmt([r["score"] for r in rs], 100), "kl": fmt([r["kl"] for r in rs], digits=2)}
-            for o, rs in cells.items()]
+    cells = {o: cell(cfg, "run_tldr.py", f"tldr-{o}", ["--objective", o, "--sync-every", "10"], cfg.tldr_eval_every) for o in objectives}
+    rows = [{"objective": o, "win rate (%)": fmt([r["score"] for r in rs], 100),
+             "KL(pi_sft, pi) per token, after": fmt([r["eval_kl"] for r in rs], digits=3),
+             "log pi - log pi_ref in training": fmt([r["kl"] for r in rs], digits=2)} for o, rs in cells.items()]
     return cells, table(rows)
 
 
 SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "tldr": tldr}
 TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyness: sync period k (tiny GSM8K)",
           "buffer": "The buffer: m and prioritisation, TB (tiny GSM8K)", "tba_prime": "TBA' against beta decay (tiny GSM8K)",
-          "tldr": "Table 1 in miniature: TL;DR at its most off-policy setting (tiny TL;DR)"}
+          "tldr": "Table 1 in miniature: TL;DR at k = 10, m = 0.5 (tiny TL;DR)"}
 
 
 # -----------------------------------------------------------------------------
@@ -246,23 +271,35 @@ def main(argv=None):
     runs_per_seed = {"speed": 2, "staleness": 4 if cfg.quick else 15, "buffer": 4 if cfg.quick else 6, "tba_prime": 2, "tldr": 3}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
-          f"(plus the warm starts of {cfg.seeds} seeds if not cached)", flush=True)
+          f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached)", flush=True)
     t0, all_rows = time.time(), []
     for name in chosen:
         print(f"\n## {TITLES[name]}", flush=True)
+        t_section = time.time()
         cells, text = SECTIONS[name](cfg)
         all_rows += [r for rs in cells.values() for r in rs]
-        header = f"### {TITLES[name]}\n\n{provenance(argv, time.time() - t0)}; {cfg.seeds} seeds per cell\n\n"
+        header = f"### {TITLES[name]}\n\n{provenance(argv, time.time() - t_section)}; {cfg.seeds} seeds per cell\n\n"
         print("\n" + text, flush=True)
         with open(os.path.join(cfg.out, f"{name}.md"), "w") as f:
             f.write(header + text + "\n")
         plot(cells, os.path.join(cfg.out, f"{name}.png"), TITLES[name])
-    columns = [c for c in all_rows[0] if c != "curve"]
-    with open(os.path.join(cfg.out, "runs.csv"), "w", newline="") as f:
+    write_runs(os.path.join(cfg.out, "runs.csv"), all_rows)
+    print(f"\nbench finished: {provenance(argv, time.time() - t0)}; {len(all_rows)} runs; {cfg.out}/runs.csv")
+
+
+def write_runs(path, rows):
+    """Every run as a row of runs.csv; runs of earlier invocations stay unless this one ran them again."""
+    old = []
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))
+    names = {r["name"] for r in rows}
+    rows = [r for r in old if r["name"] not in names] + rows
+    columns = list(dict.fromkeys(c for r in rows for c in r if c != "curve"))
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(all_rows)
-    print(f"\nbench finished: {provenance(argv, time.time() - t0)}; {len(all_rows)} runs; {cfg.out}/runs.csv")
+        writer.writerows(rows)
 
 
 if __name__ == "__main__":

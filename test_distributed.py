@@ -27,7 +27,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command of this Python
-RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: --max-restarts with gloo needs it (README_dist.md)
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: --max-restarts with gloo needs it (README, "Many machines")
 
 
 # -----------------------------------------------------------------------------
@@ -262,8 +262,8 @@ def cache_dir(tmp_path_factory):
 
 def test_torchrun_run_learns(tmp_path, cache_dir):
     """1 trainer + 2 searcher ranks, 30 steps. At this size (a 20-step SFT start) held-out accuracy cannot
-    move (the full-size comparison with the single-machine run is in README_dist.md), so this checks what
-    TB must do at any size, from the run's saved files and independently of its own bookkeeping: every
+    move (the full-size comparison with the single-machine run is in the README, "Many machines"), so this
+    checks what TB must do at any size, from the run's saved files and independently of its own bookkeeping: every
     trajectory the searchers sent carries the reward its tokens earn on its query, the weights reached the
     searchers, and the policy moved towards TB's target pi_ref * exp(r / beta): log pi - log pi_ref rose
     more on rewarded trajectories than on unrewarded ones."""

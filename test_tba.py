@@ -995,8 +995,9 @@ def test_searchers_exit_when_the_trainer_is_killed_with_a_full_queue(tmp_path, c
     assert not left, f"processes outlived the trainer: {left}"
 
 
-def test_searchers_exit_when_the_trainer_is_killed_before_their_job(tmp_path):
-    # a fresh cache: the trainer is busy with the SFT warm start while the searchers wait for their job
+def _start_in_the_warm_start(tmp_path):
+    """A run with a fresh cache, returned once the trainer is busy with a (long) SFT warm start while the
+    searchers wait for their job; and the process family at that moment."""
     proc = _popen([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--cache-dir", str(tmp_path / "cache"),
                    "--run-dir", str(tmp_path / "run"), "--tiny-train-size", "400", "--tiny-sft-steps", "100000"])
     watchdog = threading.Timer(150, proc.kill)
@@ -1005,7 +1006,11 @@ def test_searchers_exit_when_the_trainer_is_killed_before_their_job(tmp_path):
         if "SFT of a" in line:
             break
     watchdog.cancel()
-    family = _descendants(proc.pid)
+    return proc, _descendants(proc.pid)
+
+
+def test_searchers_exit_when_the_trainer_is_killed_before_their_job(tmp_path):
+    proc, family = _start_in_the_warm_start(tmp_path)
     assert family, "the searcher starts before the warm start"
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
@@ -1013,15 +1018,7 @@ def test_searchers_exit_when_the_trainer_is_killed_before_their_job(tmp_path):
 
 
 def test_ctrl_c_during_the_sft_warm_start_exits_cleanly(tmp_path):
-    proc = _popen([sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--cache-dir", str(tmp_path / "cache"),
-                   "--run-dir", str(tmp_path / "run"), "--tiny-train-size", "400", "--tiny-sft-steps", "100000"])
-    watchdog = threading.Timer(150, proc.kill)
-    watchdog.start()
-    for line in proc.stdout:
-        if "SFT of a" in line:
-            break
-    watchdog.cancel()
-    family = _descendants(proc.pid)
+    proc, family = _start_in_the_warm_start(tmp_path)
     os.killpg(proc.pid, signal.SIGINT)
     rest, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
@@ -1079,3 +1076,14 @@ def test_bench_interval_and_run_summary():
     row = bench.summarise(records, "eval/accuracy", target=0.7)
     assert row["score"] == pytest.approx((0.75 + 0.65 + 0.8) / 3), "the mean of the last three evaluations"
     assert row["time_to_target_s"] == 9.0 and row["startup_s"] == pytest.approx(5.7) and row["staleness_max"] == 3
+    short = bench.summarise(records[:-2], "eval/accuracy", target=0.7)  # evaluations at steps 0 and 10 only
+    assert short["score"] == 0.75, "the evaluation before training never counts in the score"
+
+
+def test_bench_runs_csv_keeps_earlier_runs(tmp_path):
+    import bench
+    path = str(tmp_path / "runs.csv")
+    bench.write_runs(path, [{"name": "a", "score": 0.1, "curve": [(0, 0.1)]}, {"name": "b", "score": 0.2}])
+    bench.write_runs(path, [{"name": "b", "score": 0.3, "eval_kl": 0.05}])  # b again, with a new column
+    with open(path) as f:
+        assert f.read().splitlines() == ["name,score,eval_kl", "a,0.1,", "b,0.3,0.05"]
