@@ -30,8 +30,8 @@ run made again replaces its row). Each section's file names the command, the dat
 section's wall time.
 
 Departures: the paper measures on GPUs with vLLM searchers; here the searcher and the trainer share 2 CPU
-cores, so the async speedup is bounded by how the two processes split the machine (the speed section
-prints the bound).
+cores, so the async speedup is bounded by how the two processes split the machine (the README's Results
+section works the bound out from the per-step times in each run's metrics.jsonl).
 
 Run: python bench.py --quick     # a CI-sized check, under 20 minutes on 2 cores
      python bench.py             # the full protocol; prints its expected wall time first
@@ -214,7 +214,8 @@ def tba_prime(cfg):
 
 def tldr(cfg):
     objectives = ("tb", "rloo") if cfg.quick else ("tb", "rloo", "online_dpo")
-    cells = {o: cell(cfg, "run_tldr.py", f"tldr-{o}", ["--objective", o, "--sync-every", "10"], cfg.tldr_eval_every) for o in objectives}
+    cells = {o: cell(cfg, "run_tldr.py", f"tldr-{o}", ["--objective", o, "--sync-every", "10"], cfg.tldr_eval_every)
+             for o in objectives}
     rows = [{"objective": o, "win rate (%)": fmt([r["score"] for r in rs], 100),
              "KL(pi_sft, pi) per token, after": fmt([r["eval_kl"] for r in rs], digits=3),
              "log pi - log pi_ref in training": fmt([r["kl"] for r in rs], digits=2)} for o, rs in cells.items()]
