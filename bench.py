@@ -62,6 +62,8 @@ class BenchConfig:
     target: float = knob(0.7, "headline score for the time-to-target comparison (GSM8K accuracy)")
     eval_every: int = knob(25, "evaluate every this many steps (the score is the mean of the last 3 evaluations)")
     speed_eval_every: int = knob(10, "evaluation period of the speed runs (time to target is read at evaluations)")
+    stale_k: str = knob("1,2,4,8,16", "staleness section: the sync periods k (comma list; --quick: 2,16)")
+    stale_objectives: str = knob("tb,rloo,grpo", "staleness section: the objectives (comma list; --quick: tb,grpo)")
     tldr_eval_every: int = knob(10, "evaluation period of the TL;DR runs (50 steps: the score is steps 30-50)")
     cache_dir: str = knob("~/.cache/tba", "where the tiny presets' warm starts are cached (shared by all runs)")
     seconds_per_run: float = knob(150.0, "expected seconds per full run, for the wall-time estimate printed first")
@@ -182,7 +184,7 @@ def speed(cfg):
 
 
 def staleness(cfg):
-    ks, objectives = ((2, 16), ("tb", "grpo")) if cfg.quick else ((1, 2, 4, 8, 16), ("tb", "rloo", "grpo"))
+    ks, objectives = [int(k) for k in cfg.stale_k.split(",")], cfg.stale_objectives.split(",")
     cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", ["--objective", o, "--sync-every", str(k)])
              for o in objectives for k in ks}
     scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks}} for o in objectives]
@@ -266,10 +268,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cfg = BenchConfig(**vars(build_parser(BenchConfig, {}).parse_args(argv)))
     if cfg.quick:
-        cfg.seeds, cfg.sections = 2, "speed,staleness"
+        cfg.seeds, cfg.sections, cfg.stale_k, cfg.stale_objectives = 2, "speed,staleness", "2,16", "tb,grpo"
     chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
-    runs_per_seed = {"speed": 2, "staleness": 4 if cfg.quick else 15, "buffer": 4 if cfg.quick else 6, "tba_prime": 2, "tldr": 3}
+    runs_per_seed = {"speed": 2, "staleness": len(cfg.stale_k.split(",")) * len(cfg.stale_objectives.split(",")), "buffer": 4 if cfg.quick else 6, "tba_prime": 2, "tldr": 3}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
           f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached)", flush=True)
