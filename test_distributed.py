@@ -25,6 +25,8 @@ import types
 import pytest
 import torch
 
+from test_tba import _alive, _descendants  # the process-tree helpers of the single-machine fault tests
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command of this Python
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: --max-restarts with gloo needs it (README, "Many machines")
@@ -236,20 +238,6 @@ def rank_pids(launcher_pid):
     return ranks
 
 
-def process_tree(pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [pid] + [p for child in map(int, out.split()) for p in process_tree(child)]
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
-    return bool(state) and not state.startswith("Z")
-
-
 def read_metrics(run_dir, evals=False):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if evals or "loss/train" in r]
@@ -354,7 +342,7 @@ STEP_LINE = r"step\s+\d+ \| loss"
 def test_killed_searcher_rank_ends_the_job_with_a_checkpoint_and_no_process_left(tmp_path, cache_dir):
     job = Launch(torchrun() + tiny_flags(tmp_path / "run", cache_dir, "--steps", "100000", "--checkpoint-every", "0"))
     job.wait_for(STEP_LINE)
-    tree, ranks = process_tree(job.pid), rank_pids(job.pid)
+    tree, ranks = [job.pid, *_descendants(job.pid)], rank_pids(job.pid)
     assert sorted(ranks) == [0, 1, 2], f"expected ranks 0, 1, 2 under torchrun, found {ranks}"
     t0 = time.time()
     os.kill(ranks[2], signal.SIGKILL)
@@ -363,13 +351,13 @@ def test_killed_searcher_rank_ends_the_job_with_a_checkpoint_and_no_process_left
     assert re.search(r"stopped by SIGTERM; checkpoint \S+step-\d+", job.output()), job.output()[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "latest").exists()
     time.sleep(0.5)
-    assert not [p for p in tree if alive(p)], "processes outlived the job"
+    assert not [p for p in tree if _alive(p)], "processes outlived the job"
 
 
 def test_silent_searcher_rank_ends_the_run_naming_it(tmp_path, cache_dir):
     job = Launch(torchrun() + tiny_flags(tmp_path / "run", cache_dir, "--steps", "100000", "--searcher-timeout", "10"))
     job.wait_for(r"gsm8k-tiny-sft: (reusing|built)")  # rank 0 prints it after the job's process group formed
-    tree, ranks = process_tree(job.pid), rank_pids(job.pid)
+    tree, ranks = [job.pid, *_descendants(job.pid)], rank_pids(job.pid)
     # frozen from the start, rank 1 is always at least as silent as rank 2 (every clock starts when the trainer
     # sends the job), so it is the one named even on a machine too busy for rank 2 to keep the patience
     os.kill(ranks[1], signal.SIGSTOP)
@@ -382,7 +370,7 @@ def test_silent_searcher_rank_ends_the_run_naming_it(tmp_path, cache_dir):
         or "sending weights to searcher rank 1 failed" in line, line
     assert (tmp_path / "run" / "checkpoints" / "latest").exists(), "a failing run saves a checkpoint"
     time.sleep(0.5)
-    assert not [p for p in tree if alive(p)], "processes outlived the job"
+    assert not [p for p in tree if _alive(p)], "processes outlived the job"
 
 
 def test_two_nodes_restart_after_a_kill_and_resume_from_the_checkpoint(tmp_path, cache_dir):
