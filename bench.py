@@ -27,7 +27,8 @@ Experiments (--sections)
 Output: one markdown table per section on stdout and in results/<section>.md, a PNG per section in
 results/ (matplotlib, optional), and every run as a row of results/runs.csv (kept across invocations; a
 run made again replaces its row). Each section's file names the command, the date, the machine and the
-section's wall time.
+section's wall time. With --reuse a run that an earlier invocation finished (same name and flags) is read
+back from its run dir instead of run again, so a long grid can be made in pieces and tabulated whole.
 
 Departures: the paper measures on GPUs with vLLM searchers; here the searcher and the trainer share 2 CPU
 cores, so the async speedup is bounded by how the two processes split the machine (the README's Results
@@ -35,6 +36,8 @@ section works the bound out from the per-step times in each run's metrics.jsonl)
 
 Run: python bench.py --quick     # a CI-sized check, under 20 minutes on 2 cores
      python bench.py             # the full protocol; prints its expected wall time first
+     python bench.py --sections staleness --stale-k 8       # one piece of a grid, then the whole grid:
+     python bench.py --sections staleness --reuse           # (runs only the cells not made yet)
 """
 
 import csv
@@ -67,6 +70,8 @@ class BenchConfig:
     tldr_eval_every: int = knob(10, "evaluation period of the TL;DR runs (50 steps: the score is steps 30-50)")
     cache_dir: str = knob("~/.cache/tba", "where the tiny presets' warm starts are cached (shared by all runs)")
     seconds_per_run: float = knob(150.0, "expected seconds per full run, for the wall-time estimate printed first")
+    reuse: bool = knob(False, "take a run that an earlier invocation finished with the same flags from its run dir "
+                              "instead of running it again (splits a long bench over several invocations)")
 
 
 QUICK_SCHEDULE = ["--steps", "60", "--warmup-steps", "5", "--stable-steps", "35", "--decay-steps", "20"]
@@ -78,6 +83,9 @@ QUICK_SCHEDULE = ["--steps", "60", "--warmup-steps", "5", "--stable-steps", "35"
 def run(cfg, script, name, flags, seed, eval_every=None):
     """One run of a task's tiny preset; returns its row: score, time to target, start-up, rates, diagnostics."""
     run_dir = os.path.join(cfg.out, "runs", name)
+    if cfg.reuse and (row := reused(cfg, run_dir, name, flags)) is not None:
+        return row
+    warm_up(cfg, script)
     cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--run-dir", run_dir, "--overwrite",
            "--cache-dir", cfg.cache_dir, "--seed", str(seed), "--eval-every", str(eval_every or cfg.eval_every),
            "--log-every", "1000000", *(QUICK_SCHEDULE if cfg.quick else []), *flags]
@@ -85,14 +93,38 @@ def run(cfg, script, name, flags, seed, eval_every=None):
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"run {name} failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    with open(os.path.join(run_dir, "result.json")) as f:
-        headline = "eval/" + json.load(f)["headline"]
-    row = summarise(records, headline, cfg.target)
+    row = summarise(*read_run(run_dir), cfg.target)
     row.update({"name": name, "seed": seed, "flags": " ".join(flags), "run_wall_s": round(time.time() - t0, 1)})
     print(f"  {name:<34} score {row['score']:.3f} | to target {row['time_to_target_s']} s | {row['run_wall_s']:.0f} s",
           flush=True)
+    return row
+
+
+def read_run(run_dir):
+    """A finished run's metrics.jsonl records and the metrics key of its task's headline score."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    with open(os.path.join(run_dir, "result.json")) as f:
+        return records, "eval/" + json.load(f)["headline"]
+
+
+REUSED = []  # names of the runs that --reuse took from earlier invocations
+
+
+def reused(cfg, run_dir, name, flags):
+    """--reuse: the row of a run that an earlier invocation finished with the same flags (its run dir holds
+    result.json and runs.csv holds its row), summarised again from its files; None if there is none."""
+    csv_path = os.path.join(cfg.out, "runs.csv")
+    if not (os.path.exists(os.path.join(run_dir, "result.json")) and os.path.exists(csv_path)):
+        return None
+    with open(csv_path, newline="") as f:
+        old = next((r for r in csv.DictReader(f) if r["name"] == name and r["flags"] == " ".join(flags)), None)
+    if old is None:
+        return None
+    row = summarise(*read_run(run_dir), cfg.target)
+    row.update({"name": name, "seed": int(old["seed"]), "flags": old["flags"], "run_wall_s": float(old["run_wall_s"])})
+    REUSED.append(name)
+    print(f"  {name:<34} score {row['score']:.3f} | reused from {run_dir}", flush=True)
     return row
 
 
@@ -144,7 +176,6 @@ def fmt(values, scale=1.0, digits=1):
 
 def cell(cfg, script, name, flags, eval_every=None):
     """The runs of one configuration over cfg.seeds seeds."""
-    warm_up(cfg, script)
     return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every) for s in range(cfg.seeds)]
 
 
@@ -274,14 +305,20 @@ def main(argv=None):
     runs_per_seed = {"speed": 2, "staleness": len(cfg.stale_k.split(",")) * len(cfg.stale_objectives.split(",")), "buffer": 4 if cfg.quick else 6, "tba_prime": 2, "tldr": 3}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
-          f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached)", flush=True)
+          f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached"
+          f"{'; less with --reuse, which reads finished runs back' if cfg.reuse else ''})", flush=True)
     t0, all_rows = time.time(), []
     for name in chosen:
         print(f"\n## {TITLES[name]}", flush=True)
-        t_section = time.time()
+        t_section, n_reused_before = time.time(), len(REUSED)
         cells, text = SECTIONS[name](cfg)
-        all_rows += [r for rs in cells.values() for r in rs]
-        header = f"### {TITLES[name]}\n\n{provenance(argv, time.time() - t_section)}; {cfg.seeds} seeds per cell\n\n"
+        rows, n_reused = [r for rs in cells.values() for r in rs], len(REUSED) - n_reused_before
+        all_rows += rows
+        header = f"### {TITLES[name]}\n\n{provenance(argv, time.time() - t_section)}; {cfg.seeds} seeds per cell"
+        if n_reused:
+            header += (f"; {n_reused} of its {len(rows)} runs were made by earlier invocations (--reuse): the runs "
+                       f"themselves took {sum(r['run_wall_s'] for r in rows) / 60:.1f} min")
+        header += "\n\n"
         print("\n" + text, flush=True)
         with open(os.path.join(cfg.out, f"{name}.md"), "w") as f:
             f.write(header + text + "\n")
