@@ -17,7 +17,8 @@ Experiments (--sections)
              the first trainer step), final score, the trainer's busy fraction, searcher tokens/s.
   staleness  sync period k in {1, 2, 4, 8, 16} for TB, RLOO and GRPO, with per-run diagnostics that can
              explain the result: realised m (fraction of the batch from the latest round), mean and max
-             staleness, gradient norm, KL, spread of log Z across prompts.
+             staleness, the latest round's age (steps since a sync last replaced it) and size (trajectories),
+             gradient norm, KL, spread of log Z across prompts.
   buffer     most-on-policy probability m in {0, 0.5, 0.95} x prioritisation {softmax, uniform}, TB.
   tba_prime  TB with beta decaying linearly against TBA' (constant beta, reference reset every rho steps).
   tldr       the paper's Table 1 in miniature on the tiny TL;DR preset at the paper's most off-policy
@@ -142,6 +143,7 @@ def summarise(records, headline, target):
             "latest_frac": mean("buffer/latest_frac"), "staleness_mean": mean("staleness/mean"),
             "staleness_max": max(r["staleness/max"] for r in steps), "grad_norm": mean("grad/norm"),
             "kl": mean("loss/kl"), "log_Z_std": mean("loss/log_Z_std"), "eval_kl": evals[-1].get("eval/kl"),
+            "round_age": mean("buffer/round_age"), "latest_size": mean("buffer/latest"),
             "curve": [(r["step"], r[headline]) for r in evals]}
 
 
@@ -221,6 +223,7 @@ def staleness(cfg):
     scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks}} for o in objectives]
     diag = [{"objective": o, "k": k, "realised m": fmt([r["latest_frac"] for r in rs], digits=2),
              "staleness mean": fmt([r["staleness_mean"] for r in rs]), "staleness max": fmt([r["staleness_max"] for r in rs], digits=0),
+             "round age": fmt([r["round_age"] for r in rs]), "round size": fmt([r["latest_size"] for r in rs], digits=0),
              "grad norm": fmt([r["grad_norm"] for r in rs], digits=2), "kl": fmt([r["kl"] for r in rs], digits=2),
              "log Z spread": fmt([r["log_Z_std"] for r in rs], digits=2)} for (o, k), rs in cells.items()]
     return ({f"{o} k={k}": rs for (o, k), rs in cells.items()},
