@@ -283,9 +283,10 @@ def plot(cells, path, title):
         print(f"(matplotlib not installed: skipping {path})")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, rows in cells.items():
+    for i, (name, rows) in enumerate(cells.items()):  # tab20: up to 20 cells, no colour repeated
         steps = [s for s, _ in rows[0]["curve"]]
-        ax.plot(steps, [_mean([dict(r["curve"]).get(s, math.nan) for r in rows]) for s in steps], marker="o", label=name)
+        ax.plot(steps, [_mean([dict(r["curve"]).get(s, math.nan) for r in rows]) for s in steps], marker="o",
+                label=name, color=plt.get_cmap("tab20")(i % 20))
     ax.set(xlabel="trainer step", ylabel="headline score (mean over seeds)", title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()

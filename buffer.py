@@ -24,7 +24,11 @@ Departures from the paper / official code:
      weights published at the previous sync. Our searchers never wait, so a batch that was in flight
      during a publish can arrive one round late. `add(..., round_min_version=v)` keeps such items in the
      buffer but out of the "latest round", which bounds the staleness of most-on-policy draws by 2k-1
-     trainer steps, as with the barrier (plus k for every sync in a row that brought nothing new).
+     trainer steps, as with the barrier (plus k for every sync in a row that brought nothing new enough).
+     A searcher that never waits cannot honour a bound tighter than its own batch time: at k = 1 on the
+     tiny GSM8K preset a searcher batch takes longer than a trainer step, so only 5-10% of the syncs bring
+     items new enough to form a round, the latest round (about one searcher batch) stays in place for
+     9-12 steps on average, and with m = 0.95 nearly every batch re-draws it (README, "Off-policyness").
   2. The official buffer lives partly on the searchers, which send each changed query's whole store at a
      sync; here the trainer holds one buffer and merges trajectories. What is stored and drawn is the same.
 
