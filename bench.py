@@ -115,11 +115,10 @@ REUSED = []  # names of the runs that --reuse took from earlier invocations
 def reused(cfg, run_dir, name, flags):
     """--reuse: the row of a run that an earlier invocation finished with the same flags (its run dir holds
     result.json and runs.csv holds its row), summarised again from its files; None if there is none."""
-    csv_path = os.path.join(cfg.out, "runs.csv")
-    if not (os.path.exists(os.path.join(run_dir, "result.json")) and os.path.exists(csv_path)):
+    if not os.path.exists(os.path.join(run_dir, "result.json")):
         return None
-    with open(csv_path, newline="") as f:
-        old = next((r for r in csv.DictReader(f) if r["name"] == name and r["flags"] == " ".join(flags)), None)
+    old = next((r for r in read_runs(os.path.join(cfg.out, "runs.csv"))
+                if r["name"] == name and r["flags"] == " ".join(flags)), None)
     if old is None:
         return None
     row = summarise(*read_run(run_dir), cfg.target)
@@ -216,8 +215,13 @@ def speed(cfg):
     return cells, table(rows) + "\n\n" + note
 
 
+def stale_grid(cfg):
+    """The staleness section's sync periods k and objectives, from --stale-k and --stale-objectives."""
+    return [int(k) for k in cfg.stale_k.split(",")], cfg.stale_objectives.split(",")
+
+
 def staleness(cfg):
-    ks, objectives = [int(k) for k in cfg.stale_k.split(",")], cfg.stale_objectives.split(",")
+    ks, objectives = stale_grid(cfg)
     cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", ["--objective", o, "--sync-every", str(k)])
              for o in objectives for k in ks}
     scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks}} for o in objectives]
@@ -306,7 +310,8 @@ def main(argv=None):
         cfg.seeds, cfg.sections, cfg.stale_k, cfg.stale_objectives = 2, "speed,staleness", "2,16", "tb,grpo"
     chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
-    runs_per_seed = {"speed": 2, "staleness": len(cfg.stale_k.split(",")) * len(cfg.stale_objectives.split(",")), "buffer": 4 if cfg.quick else 6, "tba_prime": 2, "tldr": 3}
+    runs_per_seed = {"speed": 2, "staleness": math.prod(map(len, stale_grid(cfg))), "buffer": 4 if cfg.quick else 6,
+                     "tba_prime": 2, "tldr": 3}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
           f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached"
@@ -333,10 +338,7 @@ def main(argv=None):
 
 def write_runs(path, rows):
     """Every run as a row of runs.csv; runs of earlier invocations stay unless this one ran them again."""
-    old = []
-    if os.path.exists(path):
-        with open(path, newline="") as f:
-            old = list(csv.DictReader(f))
+    old = read_runs(path)
     names = {r["name"] for r in rows}
     rows = [r for r in old if r["name"] not in names] + rows
     columns = list(dict.fromkeys(c for r in rows for c in r if c != "curve"))
@@ -344,6 +346,15 @@ def write_runs(path, rows):
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+
+def read_runs(path):
+    """The rows of runs.csv (as strings), or none if it does not exist yet."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 if __name__ == "__main__":

@@ -1076,11 +1076,10 @@ def test_bench_interval_and_run_summary():
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
     assert bench.interval([5.0])[0] == 5.0 and math.isnan(bench.interval([5.0])[1])
     assert bench.fmt([0.5, 0.7, None], 100) == f"60.0 ± {100 * 12.706 * math.sqrt(0.02) / math.sqrt(2):.1f}"
-    records = BENCH_RECORDS
-    row = bench.summarise(records, "eval/accuracy", target=0.7)
+    row = bench.summarise(BENCH_RECORDS, "eval/accuracy", target=0.7)
     assert row["score"] == pytest.approx((0.75 + 0.65 + 0.8) / 3), "the mean of the last three evaluations"
     assert row["time_to_target_s"] == 9.0 and row["startup_s"] == pytest.approx(5.7) and row["staleness_max"] == 3
-    short = bench.summarise(records[:-2], "eval/accuracy", target=0.7)  # evaluations at steps 0 and 10 only
+    short = bench.summarise(BENCH_RECORDS[:-2], "eval/accuracy", target=0.7)  # evaluations at steps 0 and 10 only
     assert short["score"] == 0.75, "the evaluation before training never counts in the score"
 
 
