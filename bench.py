@@ -238,8 +238,9 @@ def buffer(cfg):
     cells = {(m, p): cell(cfg, "run_gsm8k.py", f"buffer-m{m}-{p}", ["--m", str(m), "--prioritization", p])
              for m in ((0.0, 0.95) if cfg.quick else (0.0, 0.5, 0.95)) for p in ("softmax", "uniform")}
     rows = [{"m": m, "prioritization": p, "score (%)": fmt([r["score"] for r in rs], 100),
-             "realised m": fmt([r["latest_frac"] for r in rs], digits=2), "staleness mean": fmt([r["staleness_mean"] for r in rs])}
-            for (m, p), rs in cells.items()]
+             "realised m": fmt([r["latest_frac"] for r in rs], digits=2), "staleness mean": fmt([r["staleness_mean"] for r in rs]),
+             "round age": fmt([r["round_age"] for r in rs]), "round size": fmt([r["latest_size"] for r in rs], digits=0),
+             "kl": fmt([r["kl"] for r in rs], digits=2)} for (m, p), rs in cells.items()]
     return {f"m={m} {p}": rs for (m, p), rs in cells.items()}, table(rows)
 
 
