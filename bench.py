@@ -220,16 +220,23 @@ def stale_grid(cfg):
     return [int(k) for k in cfg.stale_k.split(",")], cfg.stale_objectives.split(",")
 
 
+# a diagnostic column of the tables: (its key in a run's summary row, digits shown)
+DIAGNOSTICS = {"realised m": ("latest_frac", 2), "staleness mean": ("staleness_mean", 1),
+               "staleness max": ("staleness_max", 0), "round age": ("round_age", 1), "round size": ("latest_size", 0),
+               "grad norm": ("grad_norm", 2), "kl": ("kl", 2), "log Z spread": ("log_Z_std", 2)}
+
+
+def diagnostics(rows, columns):
+    """The named DIAGNOSTICS columns of one cell, each as mean ± 95% interval over its runs."""
+    return {c: fmt([r[DIAGNOSTICS[c][0]] for r in rows], digits=DIAGNOSTICS[c][1]) for c in columns}
+
+
 def staleness(cfg):
     ks, objectives = stale_grid(cfg)
     cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", ["--objective", o, "--sync-every", str(k)])
              for o in objectives for k in ks}
     scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks}} for o in objectives]
-    diag = [{"objective": o, "k": k, "realised m": fmt([r["latest_frac"] for r in rs], digits=2),
-             "staleness mean": fmt([r["staleness_mean"] for r in rs]), "staleness max": fmt([r["staleness_max"] for r in rs], digits=0),
-             "round age": fmt([r["round_age"] for r in rs]), "round size": fmt([r["latest_size"] for r in rs], digits=0),
-             "grad norm": fmt([r["grad_norm"] for r in rs], digits=2), "kl": fmt([r["kl"] for r in rs], digits=2),
-             "log Z spread": fmt([r["log_Z_std"] for r in rs], digits=2)} for (o, k), rs in cells.items()]
+    diag = [{"objective": o, "k": k, **diagnostics(rs, DIAGNOSTICS)} for (o, k), rs in cells.items()]
     return ({f"{o} k={k}": rs for (o, k), rs in cells.items()},
             "score (%), by objective and sync period k\n\n" + table(scores) + "\n\ndiagnostics, mean over each run's steps\n\n" + table(diag))
 
@@ -238,9 +245,8 @@ def buffer(cfg):
     cells = {(m, p): cell(cfg, "run_gsm8k.py", f"buffer-m{m}-{p}", ["--m", str(m), "--prioritization", p])
              for m in ((0.0, 0.95) if cfg.quick else (0.0, 0.5, 0.95)) for p in ("softmax", "uniform")}
     rows = [{"m": m, "prioritization": p, "score (%)": fmt([r["score"] for r in rs], 100),
-             "realised m": fmt([r["latest_frac"] for r in rs], digits=2), "staleness mean": fmt([r["staleness_mean"] for r in rs]),
-             "round age": fmt([r["round_age"] for r in rs]), "round size": fmt([r["latest_size"] for r in rs], digits=0),
-             "kl": fmt([r["kl"] for r in rs], digits=2)} for (m, p), rs in cells.items()]
+             **diagnostics(rs, ["realised m", "staleness mean", "round age", "round size", "kl"])}
+            for (m, p), rs in cells.items()]
     return {f"m={m} {p}": rs for (m, p), rs in cells.items()}, table(rows)
 
 
@@ -347,7 +353,6 @@ def write_runs(path, rows):
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-
 
 
 def read_runs(path):
