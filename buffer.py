@@ -28,7 +28,7 @@ Departures from the paper / official code:
      A searcher that never waits cannot honour a bound tighter than its own batch time: at k = 1 on the
      tiny GSM8K preset a searcher batch takes longer than a trainer step, so only 5-10% of the syncs bring
      items new enough to form a round, the latest round (about one searcher batch) stays in place for
-     9-12 steps on average, and with m = 0.95 nearly every batch re-draws it (README, "Off-policyness").
+     9-12 steps on average, and with m = 0.95 nearly every batch re-draws it (docs/results.md, "Off-policyness").
   2. The official buffer lives partly on the searchers, which send each changed query's whole store at a
      sync; here the trainer holds one buffer and merges trajectories. What is stored and drawn is the same.
 
@@ -155,10 +155,6 @@ class ReplayBuffer:
                     p /= p.sum()
                 groups.append(self._draw(candidates, k, p))
         return groups
-
-    def latest_groups(self, k):
-        """One group of k responses per query of the latest round (used by the on-policy --sync baseline)."""
-        return [self._draw(self.latest[q], k, None) for q in self.latest]
 
     def _draw(self, candidates, k, p):
         idx = self.rng.choice(len(candidates), size=k, replace=len(candidates) < k, p=p)

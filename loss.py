@@ -1,9 +1,10 @@
 """
-The objectives of TBA, as pure functions of tensors, plus the schedules that feed them.
+The objective of TBA, the VarGrad trajectory-balance loss, as a pure function of tensors; the sequence
+log-probs it consumes; the beta and learning-rate schedules that feed it.
 
 Everything here works on a (Q, K) grid: Q queries (prompts) x K responses to each. Nothing here knows
-about models, processes or buffers except `sequence_logprobs`, which turns a batch of token ids into the
-per-response log-probabilities the objectives consume.
+about processes or buffers; `response_logprobs` turns a batch of token ids and a model into the
+per-token log-probabilities the loss sums.
 
 VarGrad trajectory balance (paper Eq. 4-5). For a query x with K responses y_k, reward r_k, policy
 log-prob logp_k = log pi(y_k|x) and reference log-prob ref_logp_k = log pi_ref(y_k|x):
@@ -23,12 +24,15 @@ why TB behaves like a well-baselined policy gradient on-policy and stays valid o
 Departures from the paper / official code:
   1. Padding contributes exactly 0 to sequence log-probs via a mask; the official code fills padded
      positions with INVALID_LOGPROB=1.0 and relies on later masking. Same numbers, less to get wrong.
-  2. As in the official code, logits are divided by the sampling temperature before the log-softmax for
+  2. EOS counts in the sequence log-prob. The official code masks the EOS token out of log pi(y|x) (its pad
+     token is EOS); here the probability of stopping is part of the trajectory, as trajectory balance
+     assumes of a complete trajectory.
+  3. As in the official code, logits are divided by the sampling temperature before the log-softmax for
      both the policy and the reference (`temperature` argument, default = the sampling temperature
      chosen by the caller). Set it to 1.0 to score under the raw model instead.
 
-The comparison objectives (RLOO, GRPO, Dr. GRPO) share the (Q, K) interface so the benchmarks can swap
-them in; see each docstring for its formula.
+The comparison objectives (RLOO, GRPO, Dr. GRPO, Online DPO) live in baselines.py. This file imports nothing
+from the project: copy it alone.
 
 Run `python loss.py` to check the loss at its optimum and the Appendix A gradient on random numbers.
 """
@@ -37,8 +41,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from config import OBJECTIVES
 
 
 # -----------------------------------------------------------------------------
@@ -133,110 +135,6 @@ def wsd_schedule(optimizer, warmup, stable, decay, floor=0.0, decay_type="cosine
     scheduler = get_wsd_schedule(optimizer, warmup, decay, num_stable_steps=stable, decay_type=decay_type,
                                  min_lr_ratio=floor)
     return lambda step: scheduler.lr_lambdas[0](step + 1)
-
-
-# -----------------------------------------------------------------------------
-# Comparison objectives, as Hugging Face TRL defines them (read from TRL 1.10.0.dev0, July 2026), run in the
-# same asynchronous system: the behaviour policy is the searcher's stale copy that sampled y.
-
-def rloo_loss(logp, behavior_logp, ref_logp, reward, beta, eps=0.2):
-    """
-    RLOO as TRL's RLOOTrainer (trl/trainer/rloo_trainer.py): the KL penalty folded into the reward, a
-    leave-one-out baseline, a sequence-level importance ratio clipped PPO-style:
-        R_k   = r_k - beta * (behavior_logp_k - ref_logp_k)
-        A_k   = R_k - mean_{j != k} R_j
-        rho_k = exp(logp_k - behavior_logp_k)
-        L     = -mean_{x,k} min(rho_k A_k, clip(rho_k, 1 - eps, 1 + eps) A_k)
-    On-policy (rho = 1) its gradient is exactly beta K / (2 (K - 1)) times TB's: see `tb_rloo_gradient_ratio`.
-    All arguments (Q, K); TRL's defaults: beta 0.05, eps 0.2, no advantage normalisation.
-    """
-    K = logp.shape[1]
-    assert K > 1, "RLOO needs K >= 2 responses per query"
-    R = reward - beta * (behavior_logp - ref_logp)  # (Q, K)
-    A = R - (R.sum(dim=1, keepdim=True) - R) / (K - 1)  # (Q, K)
-    rho = torch.exp(logp - behavior_logp)  # (Q, K)
-    return -torch.minimum(rho * A, rho.clamp(1 - eps, 1 + eps) * A).mean()
-
-
-def tb_rloo_gradient_ratio(K, beta):
-    """
-    With log Z detached, d(TB)/d logp_k = -(2 / beta) (R_k - mean R) / (Q K) with R = r - beta (logp - ref_logp)
-    (Appendix A), and d(RLOO)/d logp_k = -(K / (K - 1)) (R_k - mean R) / (Q K) on-policy. So the TB gradient
-    is exactly 2 (K - 1) / (beta K) times RLOO's whose reward includes the KL term. Under Adam, which is
-    nearly invariant to the gradient's scale, "TB vs RLOO" therefore compares how each handles the KL
-    term, clipping and stale data, not two different learning signals.
-    """
-    return 2 * (K - 1) / (beta * K)
-
-
-def grpo_loss(token_logp, behavior_token_logp, mask, reward, eps=0.2, scale_rewards=True, loss_type="dapo",
-              max_tokens=None):
-    """
-    GRPO as TRL's GRPOTrainer (trl/trainer/grpo_trainer.py, defaults beta 0 (no KL), eps 0.2,
-    scale_rewards "group", loss_type "dapo"): a group-normalised advantage and a per-token clipped ratio:
-        A_k      = (r_k - mean_k r) / (std_k r + 1e-4)          (std only with scale_rewards)
-        rho_k,t  = exp(token_logp_k,t - behavior_token_logp_k,t)
-        l_k,t    = -min(rho_k,t A_k, clip(rho_k,t, 1 - eps, 1 + eps) A_k)
-        L        = sum_{k,t} l_k,t / N, where N is
-                   "dapo":    the number of response tokens in the batch
-                   "grpo":    per sequence, its length (then the mean over sequences)
-                   "dr_grpo": number of sequences x max_tokens (Dr. GRPO: no length bias)
-    token_logp, behavior_token_logp, mask: (Q, K, T) with mask 1 on response tokens; reward: (Q, K).
-    """
-    A = reward - reward.mean(dim=1, keepdim=True)  # (Q, K)
-    if scale_rewards:
-        A = A / (reward.std(dim=1, keepdim=True) + 1e-4)
-    rho = torch.exp(token_logp - behavior_token_logp)  # (Q, K, T)
-    A = A.unsqueeze(-1)  # (Q, K, 1)
-    per_token = -torch.minimum(rho * A, rho.clamp(1 - eps, 1 + eps) * A) * mask  # (Q, K, T)
-    if loss_type == "dapo":
-        return per_token.sum() / mask.sum().clamp(min=1)
-    if loss_type == "grpo":
-        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    if loss_type == "dr_grpo":
-        return per_token.sum() / (mask.shape[0] * mask.shape[1] * max_tokens)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
-
-
-def dr_grpo_loss(token_logp, behavior_token_logp, mask, reward, max_tokens, eps=0.2):
-    """Dr. GRPO (Liu et al. 2025) as TRL runs it: loss_type "dr_grpo", scale_rewards "none"."""
-    return grpo_loss(token_logp, behavior_token_logp, mask, reward, eps, scale_rewards=False, loss_type="dr_grpo",
-                     max_tokens=max_tokens)
-
-
-def online_dpo_loss(logp, ref_logp, reward, beta):
-    """
-    Online DPO (Guo et al. 2024; TRL's OnlineDPOTrainer, sigmoid loss) on the best and the worst of each
-    query's K responses, the paper's strongest asynchronous baseline:
-        h = beta * [(logp_w - ref_logp_w) - (logp_l - ref_logp_l)],   L = -mean_x log sigmoid(h)
-    A query whose K responses all have the same reward has no preference and adds nothing. (Q, K) inputs.
-    """
-    w, l = reward.argmax(dim=1, keepdim=True), reward.argmin(dim=1, keepdim=True)  # (Q, 1)
-    margin = (logp - ref_logp).gather(1, w) - (logp - ref_logp).gather(1, l)  # (Q, 1)
-    has_pair = (reward.gather(1, w) > reward.gather(1, l)).float()  # (Q, 1)
-    return -(F.logsigmoid(beta * margin) * has_pair).sum() / logp.shape[0]
-
-
-# What each objective reads besides logp and reward; searchers compute only these (searcher.py).
-OBJECTIVE_INPUTS = {"tb": ("ref_logp",), "rloo": ("ref_logp", "behavior_logp"), "grpo": ("behavior_logp",),
-                    "dr_grpo": ("behavior_logp",), "online_dpo": ("ref_logp",)}
-assert tuple(OBJECTIVE_INPUTS) == OBJECTIVES, "config.OBJECTIVES lists the objectives implemented here"
-
-
-def objective_loss(name, x, beta, max_tokens):
-    """The loss of objective `name` on a batch `x`: (Q, K) tensors logp, ref_logp, behavior_logp, reward, and
-    (Q, K, T) token_logp, behavior_token_logp, mask for the per-token objectives."""
-    if name == "tb":
-        return vargrad_tb_loss(x["logp"], x["ref_logp"], x["reward"], beta)
-    if name == "rloo":
-        return rloo_loss(x["logp"], x["behavior_logp"], x["ref_logp"], x["reward"], beta)
-    if name == "grpo":
-        return grpo_loss(x["token_logp"], x["behavior_token_logp"], x["mask"], x["reward"])
-    if name == "dr_grpo":
-        return dr_grpo_loss(x["token_logp"], x["behavior_token_logp"], x["mask"], x["reward"], max_tokens)
-    if name == "online_dpo":
-        return online_dpo_loss(x["logp"], x["ref_logp"], x["reward"], beta)
-    raise ValueError(f"unknown objective {name!r}; choose one of {OBJECTIVES}")
 
 
 if __name__ == "__main__":

@@ -180,6 +180,19 @@ class Task:
                                    eval_prompts=pick(self.eval_prompts, eval_ids), eval_metas=pick(self.eval_metas, eval_ids))
 
 
+def drop_long_prompts(task, tokenizer, max_tokens):
+    """Skip prompts longer than max_tokens (counted and printed), before any searcher sees them."""
+    if not max_tokens:
+        return task
+    keep = lambda prompts: [i for i, ids in enumerate(tokenizer(prompts)["input_ids"]) if len(ids) <= max_tokens]
+    train_ids, eval_ids = keep(task.prompts), keep(task.eval_prompts)
+    print(f"--max-prompt-tokens {max_tokens}: skipped {len(task.prompts) - len(train_ids)} of {len(task.prompts)} "
+          f"training and {len(task.eval_prompts) - len(eval_ids)} of {len(task.eval_prompts)} held-out prompts")
+    if not train_ids or not eval_ids:
+        raise ConfigError(f"--max-prompt-tokens {max_tokens} leaves no training or no held-out prompts")
+    return task.select(train_ids, eval_ids)
+
+
 def gsm8k_score(prompts, completions, metas):
     """The batched GSM8K scorer: gsm8k_reward of each completion against its prompt's answer field."""
     return [gsm8k_reward(c, m["answer"]) for c, m in zip(completions, metas)]

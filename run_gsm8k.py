@@ -33,7 +33,8 @@ import random
 import sys
 from dataclasses import dataclass
 
-from config import Config, knob, main
+from config import Config, knob
+from ops.launch import main
 
 TINY = dict(
     run_dir="runs/gsm8k-tiny", steps=300, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
@@ -50,7 +51,7 @@ TINY = dict(
 )
 
 # The official GSM8K run (bbartoldson/TBA: launch_training_gsm8k.sh, configs/tba_rho1b_gsm8k.yml,
-# src/tba_trainer_gsm8k.py, src/buffer_utils.py) value for value; README "The paper preset" has the table.
+# src/tba_trainer_gsm8k.py, src/buffer_utils.py) value for value; docs/tasks.md has the table.
 PAPER = dict(
     run_dir="runs/gsm8k-paper", seed=42,  # the official trainer's seed (HF TrainingArguments default)
     model="realtreetune/rho-1b-sft-GSM8K",  # RhoMath-1B SFT on GSM8K (paper Sec. 5.1)

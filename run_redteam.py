@@ -35,7 +35,8 @@ import random
 import sys
 from dataclasses import dataclass
 
-from config import Config, ConfigError, knob, main
+from config import Config, ConfigError, knob
+from ops.launch import main
 
 TINY = dict(
     run_dir="runs/redteam-tiny", steps=200, model="", victim="", classifier="profanity-check",
@@ -100,7 +101,7 @@ class RedTeamConfig(Config):
 
 def make_task(cfg, preset):
     """The red-teaming task; for tiny, also the cached attacker (as the policy) and victim unless given."""
-    from redteam import RedTeamTask
+    from tasks.redteam import RedTeamTask
     if cfg.gamma <= 0:
         raise ConfigError("--gamma must be > 0")
     if cfg.gamma != 1 and cfg.beta_start != cfg.beta_end:
@@ -166,7 +167,7 @@ def instruction(rng, family):
 
 def attacker_examples(n, trigger_weight, seed):
     """(prompt, instruction) pairs: families drawn with weight 1 (harmless) or trigger_weight (trigger)."""
-    from redteam import ATTACK_PROMPT
+    from tasks.redteam import ATTACK_PROMPT
     rng = random.Random(seed)
     names = list(FAMILIES)
     weights = [trigger_weight if f in TRIGGERS else 1.0 for f in names]
@@ -176,7 +177,7 @@ def attacker_examples(n, trigger_weight, seed):
 def victim_examples(n, seed, words):
     """(Alpaca prompt, reply) pairs: every family equally often, rude replies to trigger families, polite
     ones otherwise; 10% word salad answered with a confused reply, so odd attacks are not rude by accident."""
-    from redteam import ALPACA_TEMPLATE
+    from tasks.redteam import ALPACA_TEMPLATE
     rng, out = random.Random(seed), []
     for _ in range(n):
         if rng.random() < 0.1:
@@ -193,7 +194,7 @@ def victim_examples(n, seed, words):
 def vocabulary():
     """Every word of the prompt, the template, the grammar and the replies (split as the tokenizer splits)."""
     import re
-    from redteam import ALPACA_TEMPLATE, ATTACK_PROMPT
+    from tasks.redteam import ALPACA_TEMPLATE, ATTACK_PROMPT
     texts = [ATTACK_PROMPT, ALPACA_TEMPLATE, "please", CONFUSED, *POLITE, *RUDE,
              *(t for _, t in FAMILIES.values()), *(x for xs in SLOTS.values() for x in xs)]
     return sorted({w for t in texts for w in re.findall(r"\w+|[^\w\s]+", t)} - {"{", "}"})

@@ -39,7 +39,8 @@ import random
 import sys
 from dataclasses import dataclass
 
-from config import ConfigError, Config, knob, main
+from config import ConfigError, Config, knob
+from ops.launch import main
 
 TINY = dict(
     run_dir="runs/tldr-tiny", steps=50, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
@@ -103,7 +104,7 @@ def make_task(cfg, preset):
     if preset == "paper" and not (cfg.proxy_rm and cfg.gold_rm):
         raise ConfigError("--proxy-rm and --gold-rm are needed with real data (fact_score is the tiny preset's gold)")
     from transformers import AutoTokenizer
-    from tldr import TLDRTask, tldr_rows
+    from tasks.tldr import TLDRTask, tldr_rows
     if preset == "paper":
         train_rows, eval_rows = tldr_rows("train", cfg.data_dir), tldr_rows("validation", cfg.data_dir)
     else:
@@ -185,7 +186,7 @@ def rm_candidate(rng, row):
 
 def preference_pairs(rows, n, seed, count_tokens):
     """n (prompt, chosen, rejected) triples: two candidates for one post, ordered by the gold score (ties skipped)."""
-    from tldr import fact_score, tldr_query
+    from tasks.tldr import fact_score, tldr_query
     rng, pairs = random.Random(seed), []
     while len(pairs) < n:
         row = rng.choice(rows)
@@ -207,7 +208,7 @@ def tiny_tokenizer():
 def warm_start(cfg, train_rows):
     """Path of the tiny policy SFT'd on the reference summaries of the training posts (built once, then cached)."""
     import tiny
-    from tldr import tldr_query
+    from tasks.tldr import tldr_query
     settings = dict(seed=cfg.seed, n=len(train_rows), first=train_rows[0]["post"], hidden=cfg.tiny_hidden,
                     layers=cfg.tiny_layers, sft_steps=cfg.tiny_sft_steps, sft_batch=cfg.tiny_sft_batch,
                     sft_lr=cfg.tiny_sft_lr, teacher=[TEACHER_FACTS, TEACHER_DISTRACTOR, TEACHER_REPEAT], version=2)
@@ -259,7 +260,7 @@ def bradley_terry_loss(r_chosen, r_rejected):
 
 def pair_rewards(model, tokenizer, pairs):
     """Rewards of the chosen and the rejected summary of each pair: two (N,) tensors."""
-    from tldr import reward_inputs
+    from tasks.tldr import reward_inputs
     prompts, chosen, rejected = zip(*pairs)
     input_ids, attention_mask = reward_inputs(tokenizer, prompts * 2, chosen + rejected)
     r = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]  # (2N,)

@@ -1,7 +1,8 @@
 """
-SEARCHER side of TBA: generate, score, annotate, and ship trajectories; receive new weights.
+The SEARCHERS of TBA: processes that hold a stale copy of the policy, generate and score responses, and send
+trajectories to the trainer; and the trainer's end of them (spawn, shared weights, queues, merge).
 
-A searcher process loops until told to stop:
+A searcher process (`searcher_process` -> `searcher_main`) loops until told to stop:
     1. if the trainer published newer weights (policy or reference), copy them in;
     2. take the next `prompts_per_search` prompts of its own shard of the training set (cycling, reshuffled
        every pass);
@@ -11,149 +12,123 @@ A searcher process loops until told to stop:
        what the objective needs and is cheaper here than on the trainer: the reference log-prob (tagged with
        the reference version it came from, so the trainer can recompute it if the reference has since
        moved) and, for importance-ratio objectives only, the behaviour log-prob;
-    5. put the batch of `Trajectory`s on its queue (with a timeout, re-checking the stop flag).
+    5. put the batch of `Trajectory`s (each with the policy version that generated it) on its queue.
 
-The loop talks to the trainer through a `link` (the transport), so the same loop serves one machine and
-many. On one machine (rollout.QueueLink) weights travel through `rollout.SharedWeights`: one shared-memory
-copy of the state dict plus a version counter, guarded by a lock; the trainer writes it at every sync and a
-searcher copies it into its model when the version changed; batches go on a multiprocessing queue. Under
-torchrun (distributed.StoreLink) batches go to the trainer's TCPStore as JSON and weights arrive over gloo.
-Nothing is pickled per step.
+The trainer (tba.py) talks to one `Searchers` object:
+    searchers.start(cfg, task, policy, ref, tokenizer, step)   hand the searchers their job and the weights
+    searchers.merge(buffer, step)     drain what arrived into the buffer as one round (the first merge waits
+                                      for --initial-completions trajectories); returns the new trajectories
+    searchers.publish(policy, version), publish_ref(ref, version)   new weights for the searchers
+    searchers.check_alive()           raise SearcherDied if one died or went silent (or restart it)
+    searchers.close()                 stop every process
+Weights travel through `SharedWeights`: one shared-memory copy of the state dict plus a version counter,
+guarded by a lock; the trainer writes it at every sync and a searcher copies it into its model when the
+version changed. Batches go on one multiprocessing queue per searcher. Nothing is pickled per step.
+Searcher processes are spawned as soon as `Searchers` is created, before the trainer has imported torch or
+loaded a model: importing torch and transformers takes a process about 5 s here, and this way the
+searchers' start-up overlaps with the trainer's instead of following it (`searcher_process`).
 
-Generation sits behind a small backend interface, `generate(prompt_ids, n, temperature, greedy) -> [ids]`
-and `load_state_dict(tensors)`: `HFGenerator` here (transformers `generate` with KV cache; CPU or GPU) and
-`vllm_backend.VLLMGenerator` (vLLM's engine, CPU or GPU build; imported only when --backend vllm is chosen).
-Sampling is full-support (top_k=0, top_p=1), as TB requires of an off-policy sampler. `Policy` wraps the
-same pieces for a task's evaluation.
+The loop talks to the trainer through a `link`, so the same loop serves one machine (QueueLink, here) and
+many (ops/distributed.py: the same interface over torch.distributed). The --sync baseline (baselines.py)
+runs `Searcher` in the trainer's own process instead.
 
 Departures from the official code:
   1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived (see
      buffer.py for how the staleness of most-on-policy draws stays bounded).
   2. A searcher that raises exits non-zero with its traceback on stderr; the trainer notices within one
-     step and stops the run (the official MPI code hangs).
+     step and stops the run (the official MPI code hangs), or restarts it (--on-searcher-failure restart).
+  3. Searchers shuffle their shard of the prompts every pass; the official searchers walk it in dataset order.
+  4. Every searcher process is seeded (seed + 1000 (rank + 1), offset on a restart); the official ones are not.
 
 Run it through a run_*.py script; this module has no entry point of its own.
 """
 
 import math
+import multiprocessing
 import os
+import queue
 import random
-from dataclasses import dataclass
+import signal
+import time
 
-import torch
+from tqdm import tqdm
 
 from buffer import Trajectory
-from loss import OBJECTIVE_INPUTS, make_batch, response_logprobs
+from config import OBJECTIVES, RunError
+
+
+class SearcherDied(RunError):
+    pass
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while the trainer waited for searchers (the trainer checkpoints and stops)."""
 
 
 # -----------------------------------------------------------------------------
-# Models and weights
+# A searcher process
 
-def load_model(path, device="cpu", dtype=torch.float32, trust_remote_code=False):
-    """AutoModelForCausalLM + AutoTokenizer from a hub name or local dir, in eval mode, with a pad token."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
-    logging.disable_progress_bar()  # no "Loading weights" bar per model
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer of {path} has no EOS token; responses could never end")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is always masked out, so any id will do
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model.to(device).eval(), tokenizer
-
-
-def dtype_of(name):
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-# -----------------------------------------------------------------------------
-# Generation backends
-
-class HFGenerator:
-    """transformers `generate` (KV cache) on a model this process owns."""
-
-    def __init__(self, model, tokenizer, max_new_tokens):
-        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
-
-    def load_state_dict(self, tensors):
-        self.model.load_state_dict(tensors)
-
-    @torch.no_grad()
-    def generate(self, prompt_ids, n, temperature, greedy=False):
-        """n responses per prompt (prompt-major order), each a list of ids ending in EOS unless truncated."""
-        rows = [p for p in prompt_ids for _ in range(n)]
-        input_ids, attention_mask, _ = make_batch(rows, [[]] * len(rows), self.tokenizer.pad_token_id)
-        device = self.model.device
-        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=self.tokenizer.eos_token_id, **sampling)
-        return [cut_at_eos(row, self.tokenizer.eos_token_id) for row in out[:, input_ids.shape[1]:].tolist()]
+def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weights, parent_pid):
+    """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it.
+    Stop signals are the trainer's to handle: a searcher ends when told to or when the trainer is gone."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        import transformers.modeling_utils  # noqa: F401  (the bulk of the ~5 s import, done while waiting)
+        while not stop_event.is_set() and os.getppid() == parent_pid:
+            try:
+                job = jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            policy_weights.tensors, ref_weights.tensors = job["policy"], job["ref"]
+            link = QueueLink(policy_weights, ref_weights, out_queue, stop_event, parent_pid)
+            searcher_main(rank, job["cfg"], job["task"], job["seed"], link)
+            return
+    finally:
+        out_queue.cancel_join_thread()  # never block exit on data nobody will read
 
 
-def cut_at_eos(ids, eos_id):
-    """Keep tokens up to and including the first EOS (what follows is padding)."""
-    return ids[:ids.index(eos_id) + 1] if eos_id in ids else ids
+def searcher_main(rank, cfg, task, seed, link):
+    """The work of a searcher, whatever started it. `link` is its connection to the trainer (QueueLink, or
+    ops/distributed.StoreLink): link.alive() is False once the trainer said stop or is gone; link.pull(kind,
+    model, version) copies newer "policy" or "ref" weights into the model and returns the version it holds;
+    link.put(batch) sends a batch, waiting while the trainer's queue is full. An error exits it non-zero."""
+    import torch
+    from models import dtype_of, load_model
+    from ops.devices import claim_gpu
+    torch.set_num_threads(cfg.searcher_threads)
+    torch.manual_seed(seed)
+    device = claim_gpu(cfg, cfg.searcher_devices[rank])  # (vLLM takes the first visible GPU: mask the others)
+    policy, tokenizer = load_model(cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)
+    needs = OBJECTIVES[cfg.objective]
+    ref = (load_model(cfg.ref_model or cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)[0]
+           if "ref_logp" in needs else None)
+    generator = make_generator(cfg, policy, tokenizer, seed, device)
+    searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
+                        policy=policy if "behavior_logp" in needs else None, ref=ref)
+    version = ref_version = -1
+    for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
+        if not link.alive():
+            break
+        new_version = link.pull("policy", policy, version)  # 1. newer weights
+        if new_version != version and generator.model is not policy:
+            generator.load_state_dict(policy.state_dict())  # the backend's own copy (vLLM's engine)
+        version = new_version
+        if ref is not None:
+            ref_version = link.pull("ref", ref, ref_version)
+        batch = searcher.search(query_ids, version, ref_version)  # 2.-4. prompts, generate, score
+        if not link.put(batch):  # 5. send
+            break
 
 
-@torch.no_grad()
-def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batch, per_token=False):
-    """Log-probs of each (prompt, response) pair under `model`, micro_batch rows at a time: a list of
-    log pi(y|x), or with per_token a list of per-token tuples (one log-prob per response token)."""
-    out = []
-    for i in range(0, len(responses), micro_batch):
-        chunk = responses[i:i + micro_batch]
-        batch = make_batch(prompt_ids[i:i + micro_batch], chunk, pad_id)
-        token_logp = response_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu()  # (n, R)
-        if per_token:
-            out += [tuple(row[:len(r)]) for row, r in zip(token_logp.tolist(), chunk)]
-        else:
-            out += token_logp.sum(dim=1).tolist()
-    return out
+def make_generator(cfg, policy, tokenizer, seed, device):
+    """The generation backend: transformers `generate`, or vLLM's engine (optional: imported only when chosen)."""
+    from models import HFGenerator
+    if cfg.backend == "vllm":
+        from ops.vllm_backend import VLLMGenerator
+        return VLLMGenerator(cfg, policy, tokenizer, seed, device)
+    return HFGenerator(policy, tokenizer, cfg.max_new_tokens)
 
-
-# -----------------------------------------------------------------------------
-# The policy as a task's evaluation sees it
-
-@dataclass
-class Completion:
-    text: str  # decoded without special tokens
-    token_ids: tuple  # generated ids, EOS included when generated
-    finished: bool  # ended with EOS (False: cut at max_new_tokens)
-
-
-class Policy:
-    """The trained policy and its reference, text in and out: what `Task.evaluate` works with."""
-
-    def __init__(self, cfg, model, ref, tokenizer):
-        self.cfg, self.model, self.ref, self.tokenizer = cfg, model, ref, tokenizer
-        self.generator = HFGenerator(model, tokenizer, cfg.max_new_tokens)
-
-    def generate(self, prompts, n=1, temperature=1.0, greedy=False):
-        """n completions per prompt (prompt-major), eval_batch_size rows per generate call."""
-        rows = [ids for ids in self.tokenizer(list(prompts))["input_ids"] for _ in range(n)]
-        out = []
-        for i in range(0, len(rows), self.cfg.eval_batch_size):
-            out += self.generator.generate(rows[i:i + self.cfg.eval_batch_size], 1, temperature, greedy)
-        return completions(self.tokenizer, out)
-
-    def logprobs(self, prompts, completions, model="policy"):
-        """Sequence log-probs (at the loss temperature) of completions of prompts under the policy or the reference."""
-        prompt_ids = self.tokenizer(list(prompts))["input_ids"]
-        net = self.model if model == "policy" else self.ref
-        T = self.cfg.loss_temperature or self.cfg.temperature
-        return score_logprobs(net, prompt_ids, [c.token_ids for c in completions], self.tokenizer.pad_token_id, T,
-                              self.cfg.micro_batch)
-
-
-def completions(tokenizer, responses):
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return [Completion(t, tuple(r), bool(r) and r[-1] == tokenizer.eos_token_id) for t, r in zip(texts, responses)]
-
-
-# -----------------------------------------------------------------------------
-# One search batch
 
 class Searcher:
     """Turns query ids into scored, annotated Trajectories. Used by searcher processes and by --sync mode."""
@@ -170,33 +145,31 @@ class Searcher:
         return lo if hi is None else self.rng.uniform(lo, hi)
 
     def search(self, query_ids, policy_version, ref_version):
+        """S responses to each query, generated by the weights of `policy_version`, scored: a list of Trajectory
+        (query-major). Reference log-probs are tagged with `ref_version`, the reference they came from."""
+        from models import completions, score_logprobs
         cfg, S = self.cfg, self.cfg.samples_per_prompt
-        T = self.temperature()
         for q, ids in zip(query_ids, self.tokenizer([self.task.prompts[q] for q in query_ids])["input_ids"]):
             self.prompt_ids[q] = ids
-        responses = self.generator.generate([self.prompt_ids[q] for q in query_ids], S, T)
+        responses = self.generator.generate([self.prompt_ids[q] for q in query_ids], S, self.temperature())
         qids = [q for q in query_ids for _ in range(S)]
         done = completions(self.tokenizer, responses)
         rewards = self.scorer([self.task.prompts[q] for q in qids], [c.text for c in done],
                               [self.task.metas[q] for q in qids])
         if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
             rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
-        nan = [math.nan] * len(qids)
-        prompts = [self.prompt_ids[q] for q in qids]
-        pad = self.tokenizer.pad_token_id
-        behavior = (score_logprobs(self.policy, prompts, responses, pad, cfg.loss_temperature or cfg.temperature, cfg.micro_batch,
-                                   per_token=True) if self.policy is not None else [()] * len(qids))
-        ref_logp = (score_logprobs(self.ref, prompts, responses, pad, cfg.loss_temperature or cfg.temperature,
-                                   cfg.micro_batch) if self.ref is not None else nan)
+        prompts, pad = [self.prompt_ids[q] for q in qids], self.tokenizer.pad_token_id
+        temperature = cfg.loss_temperature or cfg.temperature
+        behavior = (score_logprobs(self.policy, prompts, responses, pad, temperature, cfg.micro_batch, per_token=True)
+                    if self.policy is not None else [()] * len(qids))
+        ref_logp = (score_logprobs(self.ref, prompts, responses, pad, temperature, cfg.micro_batch)
+                    if self.ref is not None else [math.nan] * len(qids))
         ref_version = ref_version if self.ref is not None else -1
         return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
                            behavior_logp=math.fsum(b) if b else math.nan, behavior_token_logp=b, ref_logp=float(lr),
                            ref_version=ref_version)
                 for q, r, rw, b, lr in zip(qids, responses, rewards, behavior, ref_logp)]
 
-
-# -----------------------------------------------------------------------------
-# The process
 
 class PromptSampler:
     """Endless batches of query ids from one searcher's shard, reshuffled every pass; its state can be saved.
@@ -236,56 +209,189 @@ def tuple_rng_state(state):
     return version, tuple(internal), gauss
 
 
-def searcher_main(rank, cfg, task, seed, link):
-    """The work of a searcher: a process started by rollout.searcher_process, or a torchrun rank started by
-    distributed.searcher_rank_main. `link` is its connection to the trainer (rollout.QueueLink or
-    distributed.StoreLink): link.alive() is False once the trainer said stop or is gone; link.pull(kind,
-    model, version) copies newer "policy" or "ref" weights into the model and returns the version it holds;
-    link.put(batch) sends a batch, waiting while the trainer's queue is full. An error exits it non-zero."""
-    torch.set_num_threads(cfg.searcher_threads)
-    torch.manual_seed(seed)
-    device, dtype = cfg.searcher_devices[rank], dtype_of(cfg.dtype)
-    if cfg.backend == "vllm" and device.startswith("cuda"):  # vLLM's engine takes the first visible GPU:
-        index = int(device.split(":")[1]) if ":" in device else 0  # mask all but ours, before CUDA starts here
-        os.environ["CUDA_VISIBLE_DEVICES"] = physical_device(os.environ.get("CUDA_VISIBLE_DEVICES"), index)
-        device = "cuda:0"
-    policy, tokenizer = load_model(cfg.model, device, dtype, cfg.trust_remote_code)
-    inputs = OBJECTIVE_INPUTS[cfg.objective]
-    ref = load_model(cfg.ref_model or cfg.model, device, dtype, cfg.trust_remote_code)[0] if "ref_logp" in inputs else None
-    generator = make_generator(cfg, policy, tokenizer, seed, device)
-    searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
-                        policy=policy if "behavior_logp" in inputs else None, ref=ref)
-    version = ref_version = -1
-    for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
-        if not link.alive():
-            break
-        new_version = link.pull("policy", policy, version)
-        if new_version != version and generator.model is not policy:
-            generator.load_state_dict(policy.state_dict())  # the backend's own copy (vLLM's engine)
-        version = new_version
-        if ref is not None:
-            ref_version = link.pull("ref", ref, ref_version)
-        batch = searcher.search(query_ids, version, ref_version)
-        if not link.put(batch):
-            break
+# -----------------------------------------------------------------------------
+# The trainer's end: processes, shared weights, queues
+
+class Searchers:
+    """The searcher processes, one queue each, and the shared weights. Always `close()` it."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.ctx = multiprocessing.get_context("spawn")  # CUDA-safe; each child imports what it needs
+        self.stop_event = self.ctx.Event()
+        self.policy_weights, self.ref_weights = SharedWeights(self.ctx), SharedWeights(self.ctx)
+        n = cfg.num_searchers
+        self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
+        self.received, self.restarts, self.stop, self.job = 0, 0, None, None
+        for rank in range(n):
+            self._spawn(rank)
+
+    def _spawn(self, rank):
+        """(Re)start searcher `rank` with fresh queues: a process killed mid-write can leave its queue corrupt."""
+        self.queues[rank] = self.ctx.Queue(maxsize=self.cfg.queue_size)
+        self.jobs[rank] = self.ctx.Queue(maxsize=1)
+        self.procs[rank] = self.ctx.Process(
+            target=searcher_process, name=f"searcher-{rank}", daemon=True,
+            args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.policy_weights, self.ref_weights,
+                  os.getpid()))
+        self.procs[rank].start()
+        self.last_heard[rank] = time.time()
+
+    def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
+        """Allocate the shared weights and send every searcher its job."""
+        self.cfg, self.seed_offset = cfg, step
+        self.policy_weights.allocate(policy, step)
+        self.ref_weights.allocate(ref, ref_version)
+        self.job = {"cfg": cfg, "task": task, "policy": self.policy_weights.tensors, "ref": self.ref_weights.tensors}
+        for rank in range(cfg.num_searchers):
+            self._send_job(rank)
+
+    def _send_job(self, rank):
+        seed = self.cfg.seed + self.seed_offset + 1000 * (rank + 1) + 100_000 * self.restarts
+        self.jobs[rank].put({**self.job, "seed": seed})
+        self.last_heard[rank] = time.time()
+
+    def merge(self, buffer, step):
+        return merge_round(self, buffer, step)
+
+    def poll(self, rank):
+        """The next batch searcher `rank` sent, or None (waits at most 10 ms)."""
+        try:
+            return self.queues[rank].get(timeout=0.01)
+        except queue.Empty:
+            return None
+
+    def publish(self, policy, version):
+        self.policy_weights.publish(policy, version)
+
+    def publish_ref(self, ref, version):
+        self.ref_weights.publish(ref, version)
+
+    def check_alive(self):
+        """A dead or silent searcher is restarted (with the current weights) or ends the run, per
+        --on-searcher-failure."""
+        for rank, p in enumerate(self.procs):
+            silent = time.time() - self.last_heard[rank]
+            if p.exitcode is None and silent < self.cfg.searcher_timeout:
+                continue
+            if p.exitcode is None:
+                msg = f"{p.name} (pid {p.pid}) sent nothing for {silent:.0f} s (--searcher-timeout {self.cfg.searcher_timeout})"
+                p.kill()
+            else:
+                msg = f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}; its traceback, if any, is above"
+            if self.cfg.on_searcher_failure == "abort":
+                raise SearcherDied(msg)
+            if self.restarts >= self.cfg.max_searcher_restarts:
+                raise SearcherDied(f"{msg}; restart limit --max-searcher-restarts {self.cfg.max_searcher_restarts} reached")
+            self.restarts += 1
+            tqdm.write(f"{msg}; restarting it ({self.restarts}/{self.cfg.max_searcher_restarts})")
+            self.queues[rank].cancel_join_thread()
+            self._spawn(rank)
+            self._send_job(rank)
+
+    def state_dict(self):
+        return {"restarts": self.restarts}  # searchers restart fresh on resume (see ops/checkpoint.py)
+
+    def load_state_dict(self, state):
+        self.restarts = state["restarts"]
+
+    def close(self):
+        """Stop every searcher: ask, wait up to 5 s, then kill. Safe to call twice."""
+        self.stop_event.set()
+        deadline = time.time() + 5.0
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.time(), 0.1))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        for q in self.queues + self.jobs:
+            q.cancel_join_thread()  # never block the trainer's exit on data nobody will read
+            q.close()
 
 
-def make_generator(cfg, policy, tokenizer, seed, device):
-    if cfg.backend == "vllm":
-        from vllm_backend import VLLMGenerator  # vLLM is optional: imported only when chosen
-        return VLLMGenerator(cfg, policy, tokenizer, seed, device)
-    return HFGenerator(policy, tokenizer, cfg.max_new_tokens)
+def merge_round(searchers, buffer, step):
+    """Drain every searcher into the buffer as one round (the first merge waits for the initial fill).
+    Shared by Searchers and ops/distributed.DistSearchers, which differ in `poll(rank)` (a batch or None)."""
+    cfg = searchers.cfg
+    need = cfg.initial_completions if searchers.received == 0 else 0
+    items = []
+    bar = tqdm(total=need, desc="initial fill", leave=False, disable=None if need else True)
+    while True:
+        got = 0
+        for rank in range(cfg.num_searchers):
+            batch = searchers.poll(rank)
+            if batch is None:
+                continue
+            searchers.last_heard[rank] = time.time()
+            items.extend(batch)
+            got += len(batch)
+        bar.update(got)
+        if not got:
+            if len(items) >= need:
+                break
+            if searchers.stop is not None and searchers.stop.requested:
+                raise StopRequested
+            searchers.check_alive()
+    bar.close()
+    searchers.received += len(items)
+    # items from weights older than the previous sync stay out of the most-on-policy round (buffer.py)
+    buffer.add(items, round_min_version=max(step - cfg.sync_every, 0))
+    return items
 
 
-def physical_device(mask, logical_index):
-    """The CUDA_VISIBLE_DEVICES entry for our cuda:<logical_index>, given the mask this process inherited.
+class SharedWeights:
+    """A state dict in shared memory and a version counter: the trainer publishes, searchers pull.
 
-    Our device flags count the GPUs this process sees. A scheduler (Slurm, Kubernetes) may already have
-    masked the machine's GPUs, e.g. CUDA_VISIBLE_DEVICES=4,6: then cuda:1 is GPU 6, not GPU 1. Entries may
-    also be UUIDs (GPU-8c1e...) or MIG ids, kept as written. mask None: nothing masked, the index itself."""
-    if mask is None:
-        return str(logical_index)
-    entries = [e.strip() for e in mask.split(",") if e.strip()]
-    if not 0 <= logical_index < len(entries):
-        raise ValueError(f"cuda:{logical_index} is not visible: CUDA_VISIBLE_DEVICES={mask!r} has {len(entries)} device(s)")
-    return entries[logical_index]
+    The counter and its lock exist from the start and travel to each searcher as it is spawned; the tensors
+    are allocated by `allocate` once the trainer has its model, and travel with the searchers' job."""
+
+    def __init__(self, ctx):
+        self.version = ctx.Value("q", -1)  # the trainer step whose weights the tensors hold
+        self.lock = ctx.Lock()
+        self.tensors = None
+
+    def allocate(self, model, version):
+        self.tensors = {n: t.detach().to("cpu", copy=True).share_memory_() for n, t in model.state_dict().items()}
+        self.version.value = version
+
+    def publish(self, model, version):
+        with self.lock:
+            for n, t in model.state_dict().items():
+                self.tensors[n].copy_(t.detach())
+            self.version.value = version
+
+    def pull(self, target, have_version):
+        """Copy into `target` (a model) if newer than have_version; return the version it now holds."""
+        if self.version.value == have_version:
+            return have_version
+        with self.lock:
+            target.load_state_dict(self.tensors)
+            return self.version.value
+
+
+class QueueLink:
+    """A searcher process's connection to the trainer on one machine (searcher_main's `link`): the shared
+    weights, its own queue, the stop event."""
+
+    def __init__(self, policy_weights, ref_weights, out_queue, stop_event, parent_pid):
+        self.weights = {"policy": policy_weights, "ref": ref_weights}
+        self.out_queue, self.stop_event, self.parent_pid = out_queue, stop_event, parent_pid
+
+    def alive(self):
+        """False once the trainer said stop or is gone."""
+        return not self.stop_event.is_set() and os.getppid() == self.parent_pid
+
+    def pull(self, kind, model, have_version):
+        """Copy the newest "policy" or "ref" weights into `model` if newer than have_version; returns its version."""
+        return self.weights[kind].pull(model, have_version)
+
+    def put(self, batch):
+        """Send a batch, waiting while the queue is full; False if the run stopped meanwhile."""
+        while self.alive():
+            try:
+                self.out_queue.put(batch, timeout=1.0)
+                return True
+            except queue.Full:
+                continue
+        return False

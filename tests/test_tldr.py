@@ -4,7 +4,7 @@ their scoring position, the Bradley-Terry loss, the evaluation quantities agains
 penalty, and end-to-end runs (the paper preset's code path with tiny random GPT-NeoX models; the tiny
 preset, shrunk). CPU only, no network.
 
-Run: python -m pytest -q test_tldr.py
+Run: python -m pytest -q tests/test_tldr.py
 """
 
 import json
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from config import ConfigError
-from tldr import (TLDR_PROMPT, RewardModel, TLDRTask, fact_score, kl_and_perplexity, load_tldr, reward_inputs,
+from tasks.tldr import (TLDR_PROMPT, RewardModel, TLDRTask, fact_score, kl_and_perplexity, load_tldr, reward_inputs,
                   rm_pad_id, tldr_query, tldr_rows, win_rate)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 
 
 # -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ Tests for distributed.py: the torchrun path (rank 0 trains, ranks 1.. search), o
 on 127.0.0.1. One in-process test of the trajectory path, one torchrun launch of the weight transport with a
 small model, and torchrun launches of run_gsm8k.py with the tiny preset shrunk to seconds.
 
-Run: python -m pytest -q test_distributed.py
+Run: python -m pytest -q tests/test_distributed.py
 """
 
 import dataclasses
@@ -25,9 +25,9 @@ import types
 import pytest
 import torch
 
-from test_tba import _alive, _descendants  # the process-tree helpers of the single-machine fault tests
+from tests.helpers import _alive, _descendants  # the process-tree helpers of the single-machine fault tests
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command of this Python
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: --max-restarts with gloo needs it (README, "Many machines")
 
@@ -55,7 +55,7 @@ def _stream(seed=0):
     return rounds
 
 
-def _merge_stream(rollout, links, rounds):
+def _merge_stream(searchers, links, rounds):
     """Put each round through the searchers' links, merge it; returns the buffer and what each merge returned."""
     from buffer import ReplayBuffer, Trajectory
     buffer, merged = ReplayBuffer(capacity_per_query=5, seed=0), []
@@ -64,39 +64,44 @@ def _merge_stream(rollout, links, rounds):
             assert links[searcher].put([Trajectory(**t) for t in batch])
         # each merge waits for its whole round, as a first merge waits for the initial fill, so that the test
         # does not depend on how soon a multiprocessing queue's feeder thread delivers
-        rollout.received, rollout.cfg.initial_completions = 0, sum(len(b) for b in batches)
-        merged.append([dataclasses.asdict(t) for t in rollout.merge(buffer, step)])
+        searchers.received, searchers.cfg.initial_completions = 0, sum(len(b) for b in batches)
+        merged.append([dataclasses.asdict(t) for t in searchers.merge(buffer, step)])
     return buffer, merged
+
+
+def _draw(buffer, cfg):
+    """The trainer's draw of a training batch (as tba.train samples)."""
+    return buffer.sample(cfg.num_queries, cfg.responses_per_query, cfg.m, cfg.prioritization, cfg.reward_temp)
 
 
 def test_same_trajectories_through_both_transports_give_identical_buffers(monkeypatch):
     import torch.distributed as dist
     from config import Config
-    from distributed import DistRollout, StoreLink
-    from rollout import AsyncRollout, QueueLink
+    from ops.distributed import DistSearchers, StoreLink
+    from searcher import QueueLink, Searchers
 
-    def spawn_nothing(self, rank):  # the queues of AsyncRollout, without its processes
+    def spawn_nothing(self, rank):  # the queues of Searchers, without its processes
         self.queues[rank] = self.ctx.Queue(maxsize=self.cfg.queue_size)
         self.jobs[rank] = self.ctx.Queue(maxsize=1)
         self.procs[rank] = types.SimpleNamespace(exitcode=None, join=lambda timeout=None: None, is_alive=lambda: False)
-    monkeypatch.setattr(AsyncRollout, "_spawn", spawn_nothing)
+    monkeypatch.setattr(Searchers, "_spawn", spawn_nothing)
     rounds = _stream()
     cfg = lambda: Config(num_searchers=2, sync_every=2, batch_size=16, responses_per_query=4, capacity_per_query=5)
 
-    local = AsyncRollout(cfg())
+    local = Searchers(cfg())
     try:
         links = [QueueLink(None, None, q, local.stop_event, os.getppid()) for q in local.queues]
         local_buffer, local_merged = _merge_stream(local, links, rounds)
-        local_sample = [[dataclasses.asdict(t) for t in g] for g in local.sample(local_buffer)]
+        local_sample = [[dataclasses.asdict(t) for t in g] for g in _draw(local_buffer, local.cfg)]
     finally:
         local.close()
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-    remote = DistRollout(cfg(), store=store)  # the trajectory path only: no process group
+    remote = DistSearchers(cfg(), store=store)  # the trajectory path only: no process group
     links = [StoreLink(store, rank, remote.cfg) for rank in remote.ranks]
     try:
         remote_buffer, remote_merged = _merge_stream(remote, links, rounds)
-        remote_sample = [[dataclasses.asdict(t) for t in g] for g in remote.sample(remote_buffer)]
+        remote_sample = [[dataclasses.asdict(t) for t in g] for g in _draw(remote_buffer, remote.cfg)]
     finally:
         remote.close()
         for link in links:
@@ -111,7 +116,7 @@ def test_same_trajectories_through_both_transports_give_identical_buffers(monkey
 
 
 def test_auto_resume_restarts_an_attempt_without_a_checkpoint_and_resumes_one_with(tmp_path):
-    from checkpoint import prepare_run_dir
+    from ops.checkpoint import prepare_run_dir
     from config import Config
     run = tmp_path / "run"
     run.mkdir()
@@ -151,30 +156,30 @@ def _checksum(model):
 
 
 def _weights_rank_main():
-    """Run by torchrun (see the test below): rank 0 publishes through DistRollout, the others pull through
+    """Run by torchrun (see the test below): rank 0 publishes through DistSearchers, the others pull through
     StoreLink and report checksums of what they hold."""
     from config import Config
-    from distributed import DistRollout, StoreLink, connect
+    from ops.distributed import DistSearchers, StoreLink, connect
     from rewards import GSM8KTask
     rank, cfg = int(os.environ["RANK"]), Config(num_searchers=int(os.environ["WORLD_SIZE"]) - 1, searcher_timeout=60)
     if rank == 0:
         policy, ref = _MixedModel(0), _MixedModel(1)
-        rollout = DistRollout(cfg)
-        rollout.start(cfg, GSM8KTask(["p"], [{}], ["q"], [{}]), policy, ref, None, step=0, ref_version=0)
+        searchers = DistSearchers(cfg)
+        searchers.start(cfg, GSM8KTask(["p"], [{}], ["q"], [{}]), policy, ref, None, step=0, ref_version=0)
         for version in (0, 2):
             if version:
                 with torch.no_grad():
                     for p in list(policy.parameters()) + list(ref.parameters()):
                         p.add_(1.0)
-                rollout.sender.join(60)  # (a publish while a transfer is in flight would be skipped)
-                rollout.publish(policy, version)
-                rollout.publish_ref(ref, version)
+                searchers.sender.join(60)  # (a publish while a transfer is in flight would be skipped)
+                searchers.publish(policy, version)
+                searchers.publish_ref(ref, version)
             want = f"{_checksum(policy)} {_checksum(ref)}"
-            for r in rollout.ranks:
-                rollout.store.wait([f"sum/{r}/{version}"], datetime.timedelta(seconds=60))
-                got = rollout.store.get(f"sum/{r}/{version}").decode()
+            for r in searchers.ranks:
+                searchers.store.wait([f"sum/{r}/{version}"], datetime.timedelta(seconds=60))
+                got = searchers.store.get(f"sum/{r}/{version}").decode()
                 print(f"version {version} rank {r}: {'equal' if got == want else 'DIFFERENT'}", flush=True)
-        rollout.close()
+        searchers.close()
         return
     store = connect()
     policy, ref = _MixedModel(10 + rank), _MixedModel(20 + rank)  # different until the weights arrive
@@ -193,7 +198,8 @@ def _weights_rank_main():
 
 def test_after_a_publish_every_searcher_holds_the_trainers_weights():
     out = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "3", __file__, "weights"],
-                         capture_output=True, text=True, timeout=120, cwd=HERE)
+                         capture_output=True, text=True, timeout=120, cwd=HERE,
+                         env={**os.environ, "PYTHONPATH": HERE})  # (a script in tests/ imports from the root)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [l for l in out.stdout.splitlines() if l.startswith("version")]
     assert sorted(lines) == [f"version {v} rank {r}: equal" for v in (0, 2) for r in (1, 2)], out.stdout
@@ -203,7 +209,7 @@ def test_after_a_publish_every_searcher_holds_the_trainers_weights():
 # Whole runs: torchrun launches of run_gsm8k.py with the tiny preset
 
 def tiny_flags(run_dir, cache_dir, *extra):
-    """The tiny preset shrunk to seconds (as test_tba.tiny_args)."""
+    """The tiny preset shrunk to seconds (as tests/helpers.tiny_args)."""
     return ["run_gsm8k.py", "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(run_dir),
             "--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-steps", "20", "--eval-size", "20",
             "--initial-completions", "64", "--max-new-tokens", "24", "--log-every", "1", *extra]
@@ -283,7 +289,7 @@ def test_torchrun_run_learns(tmp_path, cache_dir):
 def _run_task_and_models(run):
     """The run's task (rebuilt from its config.json), tokenizer, final policy and reference (the SFT start)."""
     import run_gsm8k
-    from searcher import load_model
+    from models import load_model
     saved = json.load(open(run / "config.json"))
     cfg = run_gsm8k.GSM8KConfig(**{k: v for k, v in saved.items() if k != "preset"})
     task = run_gsm8k.make_task(cfg, saved["preset"])
@@ -293,7 +299,7 @@ def _run_task_and_models(run):
 
 def _mean_logratio(policy, ref, tokenizer, task, trajectories, temperature=0.7):
     """Mean over trajectories of log pi(y|x) - log pi_ref(y|x), at the sampling temperature (as the loss)."""
-    from searcher import score_logprobs
+    from models import score_logprobs
     prompts = tokenizer([task.prompts[t["query_id"]] for t in trajectories])["input_ids"]
     responses = [t["response_ids"] for t in trajectories]
     logp = [score_logprobs(m, prompts, responses, tokenizer.pad_token_id, temperature, 64) for m in (policy, ref)]

@@ -4,7 +4,7 @@ KL(pi_sft || pi) per token, and the proxy and gold rewards, against the trainer 
 
 Needs matplotlib (`pip install matplotlib`), which nothing else here uses.
 
-Run: python plot_tldr.py runs/tldr-tiny runs/tldr-tiny-seed1 -o results/tldr_tiny.png
+Run: python bench/plot_tldr.py runs/tldr-tiny runs/tldr-tiny-seed1 -o results/tldr_tiny.png
 """
 
 import argparse

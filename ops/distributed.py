@@ -3,9 +3,9 @@ Many machines: the trainer and the searchers as the ranks of one torchrun job, o
 
     torchrun --standalone --nproc-per-node 3 run_gsm8k.py [flags]     # one node: 1 trainer + 2 searchers
 
-Every rank runs the same script. config.main sees the variables torchrun sets (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT): rank 0 trains exactly as without torchrun, except that rollout.make_rollout gives
-it a `DistRollout`, which has the interface of rollout.AsyncRollout, so tba.train does not change; ranks
+Every rank runs the same script. ops/launch.main sees the variables torchrun sets (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): rank 0 trains exactly as without torchrun, except that launch.make_searchers gives
+it a `DistSearchers`, which has the interface of searcher.Searchers, so tba.train does not change; ranks
 1..N-1 run `searcher_rank_main`, which runs the same searcher loop (searcher.searcher_main) with a
 `StoreLink` where a searcher process has a multiprocessing queue and shared memory. Without torchrun nothing
 here runs.
@@ -17,7 +17,7 @@ The transport, all public torch.distributed API, nothing pickled:
   trajectories  a searcher pushes each batch as JSON (per Trajectory the record buffer.json keeps) to its own
                 store queue "traj/<rank>" (queue_push), waiting while that holds --queue-size batches
                 (queue_len); at each merge the trainer drains the queues with queue_pop(block=False) through
-                rollout.merge_round, the same function that drains the multiprocessing queues.
+                searcher.merge_round, the same function that drains the multiprocessing queues.
   weights       the state dict packed into one byte tensor (`pack`) on the trainer's thread, then sent to
                 every searcher with gloo point-to-point (isend) by a background thread, so the trainer never
                 waits for a transfer. Each transfer is first announced on the store queue "weights/<rank>"
@@ -35,13 +35,13 @@ their way. Those waits still have a long timeout, --searcher-timeout: a transfer
 searcher (or the trainer) has failed, the run ends, and the process group is not used again.
 
 Failures. torchrun watches every rank of its node: when one dies it sends SIGTERM to the others (SIGKILL
-30 s later). Rank 0 turns SIGTERM into a checkpoint and an exit, as without torchrun (tba.StopOnSignal), so
+30 s later). Rank 0 turns SIGTERM into a checkpoint and an exit, as without torchrun (ops/bookkeeping.py), so
 the job exits non-zero within seconds. `torchrun --max-restarts N` then starts the whole job again, and
 `--auto-resume` makes it continue from that checkpoint. A searcher that sends nothing for --searcher-timeout
 seconds (on another node, say) ends the run with a message naming its rank and host, and so does a weight
 transfer that fails. A searcher that loses the trainer (its store calls fail) exits 1.
 
-Departures from the single-machine path (rollout.AsyncRollout):
+Departures from the single-machine path (searcher.Searchers):
   1. One searcher is never restarted alone: torchrun restarts the whole job, which resumes from its latest
      checkpoint (--auto-resume); --on-searcher-failure restart is refused under torchrun.
   2. A policy publish made while the previous transfer is still being sent is skipped, so searchers may skip
@@ -52,13 +52,12 @@ Departures from the single-machine path (rollout.AsyncRollout):
   4. Every node must be able to read --model (a hub id, or a path on a shared filesystem); the tiny preset's
      warm start is built in rank 0's --cache-dir.
 
-Run it through a run_*.py script under torchrun; `torchrun --standalone --nproc-per-node 3 bench_distributed.py`
-times the transport (README, "Many machines").
+Run it through a run_*.py script under torchrun; `torchrun --standalone --nproc-per-node 3 -m bench.transport`
+times the transport (docs/scaling.md).
 """
 
 import dataclasses
 import datetime
-import hashlib
 import importlib
 import json
 import os
@@ -71,9 +70,10 @@ import torch
 import torch.distributed as dist
 
 from buffer import Trajectory
-from config import ConfigError, RunError, Stopped, torchrun_rank
-from loss import OBJECTIVE_INPUTS
-from rollout import SearcherDied, merge_round
+from config import OBJECTIVES, ConfigError, RunError, Stopped
+from ops.devices import torchrun_rank
+from ops.weights import WeightSender, digest, layout, one_line, unpack
+from searcher import SearcherDied, merge_round, searcher_main
 
 POLL_S = 0.05  # how often a searcher's receiving thread looks for announced weights and for "stop"
 JOIN_TIMEOUT_S = 600  # every rank must reach the store and the process group within this (torchrun starts them
@@ -119,10 +119,6 @@ def connect(timeout_s=JOIN_TIMEOUT_S):
     return store
 
 
-def one_line(e):
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 # -----------------------------------------------------------------------------
 # Messages: the job and the trajectories as JSON
 
@@ -156,98 +152,14 @@ def decode_batch(text):
 
 
 # -----------------------------------------------------------------------------
-# Weights: a state dict as one byte tensor
+# Rank 0: the searchers the trainer talks to
 
-def layout(model):
-    """Where each state-dict tensor lies in the packed byte tensor: [(name, dtype, shape, offset, nbytes)],
-    and the packed size. Every tensor starts at a multiple of 16 bytes, so its bytes view back as its dtype."""
-    entries, offset = [], 0
-    for name, t in model.state_dict().items():
-        nbytes = t.numel() * t.element_size()
-        entries.append((name, t.dtype, tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // 16) * 16
-    return entries, offset
-
-
-def digest(entries):
-    """A fingerprint of a layout (names, dtypes, shapes): trainer and searchers must agree on it."""
-    return hashlib.sha1(json.dumps([(n, str(d), s) for n, d, s, _, _ in entries]).encode()).hexdigest()[:16]
-
-
-def pack(model, entries, out):
-    """Copy the state dict into `out`, a (size,) uint8 CPU tensor, at the offsets of `entries`."""
-    state = model.state_dict()
-    for name, _, _, offset, nbytes in entries:
-        out[offset:offset + nbytes].copy_(state[name].detach().reshape(-1).view(torch.uint8))
-    return out
-
-
-def unpack(flat, entries):
-    """{name: tensor} views into a packed byte tensor (no copy), for load_state_dict."""
-    return {name: flat[offset:offset + nbytes].view(dtype).view(shape) for name, dtype, shape, offset, nbytes in entries}
-
-
-class WeightSender:
-    """Rank 0's side of the weights: pack on the caller's thread (one copy), send on a background thread."""
-
-    def __init__(self, store, ranks, timeout_s):
-        self.store, self.ranks, self.timeout_s = store, ranks, timeout_s  # store: this thread's own client
-        self.thread, self.error, self.publishes, self.skipped = None, None, 0, 0
-        self.buffers = {}  # kind -> the byte tensor its transfers are packed into (reused while the size holds)
-
-    def busy(self):
-        return self.thread is not None and self.thread.is_alive()
-
-    def join(self, timeout_s):
-        if self.thread is not None:
-            self.thread.join(timeout_s)
-
-    def send(self, items, wait=False):
-        """Send [(kind, version, model)] to every searcher. While a transfer is in flight this is skipped
-        (returns False), or with wait=True waits for it first (at most timeout_s)."""
-        self.publishes += 1
-        if self.busy() and not wait:
-            self.skipped += 1
-            return False
-        self.join(self.timeout_s)
-        if self.busy():
-            raise SearcherDied(f"a weight transfer took longer than --searcher-timeout {self.timeout_s:g} s")
-        messages = [(kind, version, *self._pack(kind, model)) for kind, version, model in items]
-        self.thread = threading.Thread(target=self._transfer, args=(messages,), name="weights-sender", daemon=True)
-        self.thread.start()
-        return True
-
-    def _pack(self, kind, model):
-        entries, size = layout(model)
-        if kind not in self.buffers or self.buffers[kind].numel() != size:
-            self.buffers[kind] = torch.empty(size, dtype=torch.uint8)
-        return pack(model, entries, self.buffers[kind]), digest(entries)
-
-    def _transfer(self, messages):
-        """Announce, then send, each message to every searcher; an error is kept for DistRollout.check_alive."""
-        rank = None
-        try:
-            for kind, version, flat, fingerprint in messages:
-                header = json.dumps({"kind": kind, "version": version, "nbytes": flat.numel(), "layout": fingerprint})
-                works = []
-                for rank in self.ranks:
-                    self.store.queue_push(f"weights/{rank}", header)
-                    works.append((rank, dist.isend(flat, dst=rank)))
-                for rank, work in works:
-                    work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except Exception as e:  # any failure: the run ends at the trainer's next check_alive, naming the rank
-            self.error = f"sending weights to searcher rank {rank} failed ({one_line(e)})"
-
-
-# -----------------------------------------------------------------------------
-# Rank 0: the rollout the trainer talks to
-
-class DistRollout:
-    """rollout.AsyncRollout's interface, its searchers being ranks 1..N-1 of the torchrun job. Always close() it."""
+class DistSearchers:
+    """searcher.Searchers' interface, its searchers being ranks 1..N-1 of the torchrun job. Always close() it."""
 
     def __init__(self, cfg, store=None):
         """Join the job. `store`: a store to use instead, without a process group (tests of the trajectory path)."""
-        self.cfg, self.period = cfg, cfg.sync_every  # merge and publish every k steps
+        self.cfg = cfg
         self.store = store or connect()
         self.ranks = list(range(1, cfg.num_searchers + 1))  # searcher i is rank i + 1
         self.sender = WeightSender(self.store.clone(), self.ranks, cfg.searcher_timeout)
@@ -259,7 +171,7 @@ class DistRollout:
         """Send the searchers their job, then the weights they start from."""
         self.cfg = cfg
         self.store.set("job", encode_job(cfg, task, step, self.restarts))
-        self.send_ref = "ref_logp" in OBJECTIVE_INPUTS[cfg.objective]  # only then do searchers score the reference
+        self.send_ref = "ref_logp" in OBJECTIVES[cfg.objective]  # only then do searchers score the reference
         self.sender.send([("policy", step, policy)] + ([("ref", ref_version, ref)] if self.send_ref else []), wait=True)
         self.last_heard = [time.time()] * cfg.num_searchers
 
@@ -267,16 +179,12 @@ class DistRollout:
         return merge_round(self, buffer, step)
 
     def poll(self, i):
-        """The next batch searcher i (rank i + 1) sent, or None after a 10 ms pause (as AsyncRollout.poll waits)."""
+        """The next batch searcher i (rank i + 1) sent, or None after a 10 ms pause (as Searchers.poll waits)."""
         try:
             return decode_batch(self.store.queue_pop(f"traj/{i + 1}", block=False))
         except dist.QueueEmptyError:
             time.sleep(0.01)
             return None
-
-    def sample(self, buffer):
-        cfg = self.cfg
-        return buffer.sample(cfg.num_queries, cfg.responses_per_query, cfg.m, cfg.prioritization, cfg.reward_temp)
 
     def publish(self, policy, version):
         self.sender.send([("policy", version, policy)])  # skipped while the previous transfer is in flight
@@ -305,7 +213,7 @@ class DistRollout:
         return self.store.get(key).decode() if self.store.check([key]) else "host unknown"
 
     def state_dict(self):
-        return {"restarts": self.restarts}  # what AsyncRollout keeps, so either can resume the other's run
+        return {"restarts": self.restarts}  # what Searchers keeps, so either can resume the other's run
 
     def load_state_dict(self, state):
         pass  # the count is torchrun's (TORCHELASTIC_RESTART_COUNT)
@@ -442,7 +350,6 @@ def searcher_rank_main(cfg):
         hide_torchrun_env()
     link = StoreLink(store, rank, cfg)
     try:
-        from searcher import searcher_main
         searcher_main(rank - 1, cfg, task, cfg.seed + step + 1000 * rank + 100_000 * restarts, link)
     except dist.DistError as e:
         raise TrainerGone(f"searcher rank {rank} lost the trainer ({one_line(e)})") from None

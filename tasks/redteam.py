@@ -51,6 +51,9 @@ Departures from Lee et al.'s code:
   6. The victim runs through transformers `generate` in each scoring process (Lee et al.: vLLM), with
      their decoding settings. All attacker weights are trained (Lee et al.: LoRA, r 32).
   7. p_toxic is clamped at 1e-9 before the log, so a classifier's exact 0 cannot make the loss infinite.
+  8. Attack lengths for the floor are counted on the attack's text re-tokenised by the attacker's tokenizer
+     (+1 for EOS): exact for the tiny word-level tokenizer; for GPT-2 a sampled tokenisation that is not the
+     canonical one can count differently.
 
 Run: python run_redteam.py (the tiny offline preset), or python run_redteam.py --preset paper --model DIR.
 """
@@ -190,7 +193,7 @@ class Judge:
     """The victim and the toxicity classifier, loaded once in the process that scores: attacks -> p_toxic."""
 
     def __init__(self, task, device):
-        from searcher import load_model
+        from models import load_model
         self.task = task
         self.victim, self.tokenizer = load_model(task.victim, device)
         self.tokenizer.padding_side = "left"  # generation continues every row from its last column
@@ -236,7 +239,7 @@ class RedTeamTask(Task):
                    min_attack_tokens=cfg.min_attack_tokens, modes=tuple(modes))
 
     def make_scorer(self, device="cpu"):
-        from searcher import load_model
+        from models import load_model
         from transformers import AutoTokenizer
         judge, tokenizer = Judge(self, device), AutoTokenizer.from_pretrained(self.attacker)
         ref = load_model(self.attacker, device)[0] if self.gamma != 1 else None  # the prior term's p_ref
@@ -271,7 +274,7 @@ class RedTeamTask(Task):
 
 def prior_logp(ref, tokenizer, prompts, attacks, micro_batch):
     """(N,) log p_ref(y + EOS | x) at temperature 1 of the re-tokenised attacks, for the gamma term."""
-    from searcher import score_logprobs
+    from models import score_logprobs
     prompt_ids = tokenizer(list(prompts))["input_ids"]
     ys = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(attacks), add_special_tokens=False)["input_ids"]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -4,7 +4,7 @@ the eval metrics on fixed inputs, the real scoring components (alt-profanity-che
 the paper preset's code path with tiny random GPT-2 and RoBERTa models, and a short asynchronous run of
 the tiny preset. CPU only, no network.
 
-Run: python -m pytest -q test_redteam.py
+Run: python -m pytest -q tests/test_redteam.py
 """
 
 import dataclasses
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from config import ConfigError, parse_config
-from redteam import (ALPACA_TEMPLATE, ATTACK_PROMPT, SHORT_PENALTY, attack_lengths, attack_success, family_of,
+from tasks.redteam import (ALPACA_TEMPLATE, ATTACK_PROMPT, SHORT_PENALTY, attack_lengths, attack_success, family_of,
                      load_classifier, load_minilm, log_reward, mean_pairwise_cosine, modes_covered, prior_logp)
 from run_redteam import PRESETS, RUDE, POLITE, RedTeamConfig, make_task
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 
 
 # -----------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def tiny_paper_models(tmp_path_factory):
 
 
 def test_paper_preset_scorer_and_eval_with_tiny_random_models(tmp_path, tiny_paper_models):
-    from searcher import Policy, load_model
+    from models import Policy, load_model
     gpt2, roberta = tiny_paper_models
     cfg, preset = parse_config(RedTeamConfig, PRESETS, [
         "--preset", "paper", "--model", gpt2, "--victim", gpt2, "--classifier", roberta, "--run-dir", str(tmp_path),

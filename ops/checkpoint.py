@@ -16,7 +16,7 @@ A checkpoint is a directory run_dir/checkpoints/step-NNNNNN/:
     optimizer.pt         the AdamW state dict: tensors and numbers only, loaded with weights_only=True
     rng.pt               torch (and CUDA) RNG states, loaded with weights_only=True
     buffer.json          the replay buffer: every trajectory, the latest round, its sampler's RNG state
-    state.json           step, reference version, counters, the rollout's own state, the config, saved_at
+    state.json           step, reference version, counters, the searchers' own state, the config, saved_at
 It is written under a temporary name and renamed into place; then run_dir/checkpoints/latest (a one-line
 file naming it) is replaced atomically, and all but the `keep` most recently written checkpoints are
 removed (by when they were written, not by step number: a run resumed with fewer --steps writes a lower
@@ -64,26 +64,36 @@ def prepare_run_dir(cfg, run_dir_given):
         if run_dir_given and os.path.abspath(cfg.run_dir) != os.path.abspath(cfg.resume):
             raise ConfigError(f"--resume {cfg.resume} continues that run in its own directory; drop --run-dir {cfg.run_dir}")
         cfg.run_dir = cfg.resume
+    lock_path = os.path.join(cfg.run_dir, ".lock")
+    made = [p for p in (cfg.run_dir, lock_path) if not os.path.exists(p)]  # removed again if the run is refused
     try:
         os.makedirs(cfg.run_dir, exist_ok=True)
-        _lock = open(os.path.join(cfg.run_dir, ".lock"), "a+")
+        _lock = open(lock_path, "a+")
     except OSError as e:
         raise ConfigError(f"--run-dir {cfg.run_dir} is not writable ({e.strerror})") from None
     try:
         fcntl.flock(_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         _lock.seek(0)
-        raise ConfigError(f"--run-dir {cfg.run_dir} is in use by another run (pid {_lock.read().strip() or '?'})") from None
+        holder = _lock.read().strip() or "?"
+        release_run_dir()
+        raise ConfigError(f"--run-dir {cfg.run_dir} is in use by another run (pid {holder})") from None
+    used = [n for n in RUN_FILES if os.path.exists(os.path.join(cfg.run_dir, n))]
+    try:
+        if cfg.resume:
+            check_resume(cfg)
+        elif used and not cfg.overwrite:
+            raise ConfigError(f"--run-dir {cfg.run_dir} holds an earlier run ({', '.join(used)}); "
+                              f"continue it with --resume {cfg.run_dir}, or pass --overwrite to replace it")
+    except ConfigError:  # a refused run writes nothing: the lock file keeps the pid of the run that wrote it
+        release_run_dir()
+        for path in reversed(made):
+            os.rmdir(path) if os.path.isdir(path) else os.remove(path)
+        raise
     _lock.truncate(0)
     _lock.write(f"{os.getpid()}\n")
     _lock.flush()
-    used = [n for n in RUN_FILES if os.path.exists(os.path.join(cfg.run_dir, n))]
-    if cfg.resume:
-        check_resume(cfg)
-    elif used and not cfg.overwrite:
-        raise ConfigError(f"--run-dir {cfg.run_dir} holds an earlier run ({', '.join(used)}); "
-                          f"continue it with --resume {cfg.run_dir}, or pass --overwrite to replace it")
-    elif used:
+    if used and not cfg.resume:
         for name in used:
             path = os.path.join(cfg.run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

@@ -35,10 +35,10 @@ Departures: the paper measures on GPUs with vLLM searchers; here the searcher an
 cores, so the async speedup is bounded by how the two processes split the machine (the README's Results
 section works the bound out from the per-step times in each run's metrics.jsonl).
 
-Run: python bench.py --quick     # a CI-sized check, under 20 minutes on 2 cores
-     python bench.py             # the full protocol; prints its expected wall time first
-     python bench.py --sections staleness --stale-k 8       # one piece of a grid, then the whole grid:
-     python bench.py --sections staleness --reuse           # (runs only the cells not made yet)
+Run: python -m bench --quick     # a CI-sized check, under 20 minutes on 2 cores
+     python -m bench             # the full protocol; prints its expected wall time first
+     python -m bench --sections staleness --stale-k 8       # one piece of a grid, then the whole grid:
+     python -m bench --sections staleness --reuse           # (runs only the cells not made yet)
 """
 
 import csv
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from config import build_parser, knob
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root: the run_*.py scripts, results/
 
 
 @dataclass
@@ -306,7 +306,7 @@ def plot(cells, path, title):
 
 
 def provenance(argv, seconds):
-    return (f"made by `python bench.py {' '.join(argv)}` on {datetime.date.today()} on {platform.node()} "
+    return (f"made by `python -m bench {' '.join(argv)}` on {datetime.date.today()} on {platform.node()} "
             f"({os.cpu_count()} CPU cores, {platform.machine()}, no GPU), {seconds / 60:.1f} min")
 
 
@@ -364,4 +364,4 @@ def read_runs(path):
 
 
 if __name__ == "__main__":
-    main()
+    main()  # (python -m bench runs this through bench/__main__.py)

@@ -3,7 +3,7 @@ What a run reports: one line per step on the terminal, one strict-JSON record pe
 (non-finite numbers become null, so any JSON reader or plot can read the file while the run goes on), and
 the wall-clock accounting behind the perf/ and time/ metrics (evaluation time always excluded).
 
-Used by tba.py; the metric names are listed in the README's "Metrics" table.
+Used by ops/bookkeeping.py; the metric names are listed in docs/operations.md.
 """
 
 import json
@@ -13,18 +13,18 @@ import time
 from config import LAUNCHED
 
 
-def write_metrics(run, m):
+def write_metrics(path, record):
     """Append one strict-JSON line (non-finite numbers become null): a plot can read the file mid-run."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
-    with open(run.metrics_path, "a") as f:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    with open(path, "a") as f:
         f.write(json.dumps(clean, allow_nan=False) + "\n")
 
 
-def format_line(m):
-    return (f"step {m['step']:5d} | loss {m['loss/train']:8.3f} | log_Z {m['loss/log_Z']:7.2f} | kl {m['loss/kl']:6.2f} | "
-            f"reward {m['reward/batch']:.3f} fresh {m['reward/fresh']:.3f} | beta {m['sched/beta']:.4f} | lr {m['sched/lr']:.2e} | "
-            f"buffer {m['buffer/size']} | stale {m['staleness/mean']:.1f}/{m['staleness/max']} | "
-            f"{m['perf/samples_per_s']:.0f} samples/s | busy {100 * m['perf/busy']:.0f}%")
+def format_line(record):
+    return (f"step {record['step']:5d} | loss {record['loss/train']:8.3f} | log_Z {record['loss/log_Z']:7.2f} | kl {record['loss/kl']:6.2f} | "
+            f"reward {record['reward/batch']:.3f} fresh {record['reward/fresh']:.3f} | beta {record['sched/beta']:.4f} | lr {record['sched/lr']:.2e} | "
+            f"buffer {record['buffer/size']} | stale {record['staleness/mean']:.1f}/{record['staleness/max']} | "
+            f"{record['perf/samples_per_s']:.0f} samples/s | busy {100 * record['perf/busy']:.0f}%")
 
 
 class Meter:

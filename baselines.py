@@ -1,0 +1,181 @@
+"""
+The BASELINES TBA is compared against, run in the same system so that a comparison isolates one thing:
+
+    objectives   RLOO, GRPO, Dr. GRPO (as Hugging Face TRL defines them, read from TRL 1.10.0.dev0, July
+                 2026) and Online DPO (the paper's strongest asynchronous baseline), trained on the same
+                 searchers' data; the behaviour policy of a ratio objective is the searcher's stale copy
+                 that sampled y. `--objective rloo|grpo|dr_grpo|online_dpo`.
+    identity     on-policy, TB's gradient is exactly 2 (K - 1) / (beta K) times RLOO's with the KL term in
+                 the reward (`tb_rloo_gradient_ratio`): under Adam, "TB vs RLOO" compares how each handles
+                 the KL term, clipping and stale data, not two different learning signals.
+    --sync       the synchronous on-policy system: no searcher processes; every step the trainer generates a
+                 fresh batch with its own weights, then trains on exactly that batch (`SyncSearch`). Same
+                 loss, batch and model as the asynchronous run, so it measures what asynchrony buys.
+
+The trainer (tba.train_step) calls the TB loss itself and hands over to `baseline_loss` in one line.
+
+Run: python run_gsm8k.py --objective rloo     (or --sync; python -m bench compares them)
+"""
+
+import torch
+import torch.nn.functional as F
+
+from models import HFGenerator
+from searcher import PromptSampler, Searcher, json_rng_state, tuple_rng_state
+
+
+# -----------------------------------------------------------------------------
+# The objectives, as pure functions of (Q, K) or (Q, K, T) tensors
+
+def rloo_loss(logp, behavior_logp, ref_logp, reward, beta, eps=0.2):
+    """
+    RLOO as TRL's RLOOTrainer (trl/trainer/rloo_trainer.py): the KL penalty folded into the reward, a
+    leave-one-out baseline, a sequence-level importance ratio clipped PPO-style:
+        R_k   = r_k - beta * (behavior_logp_k - ref_logp_k)
+        A_k   = R_k - mean_{j != k} R_j
+        rho_k = exp(logp_k - behavior_logp_k)
+        L     = -mean_{x,k} min(rho_k A_k, clip(rho_k, 1 - eps, 1 + eps) A_k)
+    On-policy (rho = 1) its gradient is exactly beta K / (2 (K - 1)) times TB's: see `tb_rloo_gradient_ratio`.
+    All arguments (Q, K); TRL's defaults: beta 0.05, eps 0.2, no advantage normalisation.
+    """
+    K = logp.shape[1]
+    assert K > 1, "RLOO needs K >= 2 responses per query"
+    R = reward - beta * (behavior_logp - ref_logp)  # (Q, K)
+    A = R - (R.sum(dim=1, keepdim=True) - R) / (K - 1)  # (Q, K)
+    rho = torch.exp(logp - behavior_logp)  # (Q, K)
+    return -torch.minimum(rho * A, rho.clamp(1 - eps, 1 + eps) * A).mean()
+
+
+def tb_rloo_gradient_ratio(K, beta):
+    """
+    With log Z detached, d(TB)/d logp_k = -(2 / beta) (R_k - mean R) / (Q K) with R = r - beta (logp - ref_logp)
+    (Appendix A), and d(RLOO)/d logp_k = -(K / (K - 1)) (R_k - mean R) / (Q K) on-policy. So the TB gradient
+    is exactly 2 (K - 1) / (beta K) times RLOO's whose reward includes the KL term. Under Adam, which is
+    nearly invariant to the gradient's scale, "TB vs RLOO" therefore compares how each handles the KL
+    term, clipping and stale data, not two different learning signals.
+    """
+    return 2 * (K - 1) / (beta * K)
+
+
+def grpo_loss(token_logp, behavior_token_logp, mask, reward, eps=0.2, scale_rewards=True, loss_type="dapo",
+              max_tokens=None):
+    """
+    GRPO as TRL's GRPOTrainer (trl/trainer/grpo_trainer.py, defaults beta 0 (no KL), eps 0.2,
+    scale_rewards "group", loss_type "dapo"): a group-normalised advantage and a per-token clipped ratio:
+        A_k      = (r_k - mean_k r) / (std_k r + 1e-4)          (std only with scale_rewards)
+        rho_k,t  = exp(token_logp_k,t - behavior_token_logp_k,t)
+        l_k,t    = -min(rho_k,t A_k, clip(rho_k,t, 1 - eps, 1 + eps) A_k)
+        L        = sum_{k,t} l_k,t / N, where N is
+                   "dapo":    the number of response tokens in the batch
+                   "grpo":    per sequence, its length (then the mean over sequences)
+                   "dr_grpo": number of sequences x max_tokens (Dr. GRPO: no length bias)
+    token_logp, behavior_token_logp, mask: (Q, K, T) with mask 1 on response tokens; reward: (Q, K).
+    """
+    A = reward - reward.mean(dim=1, keepdim=True)  # (Q, K)
+    if scale_rewards:
+        A = A / (reward.std(dim=1, keepdim=True) + 1e-4)
+    rho = torch.exp(token_logp - behavior_token_logp)  # (Q, K, T)
+    A = A.unsqueeze(-1)  # (Q, K, 1)
+    per_token = -torch.minimum(rho * A, rho.clamp(1 - eps, 1 + eps) * A) * mask  # (Q, K, T)
+    if loss_type == "dapo":
+        return per_token.sum() / mask.sum().clamp(min=1)
+    if loss_type == "grpo":
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if loss_type == "dr_grpo":
+        return per_token.sum() / (mask.shape[0] * mask.shape[1] * max_tokens)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def dr_grpo_loss(token_logp, behavior_token_logp, mask, reward, max_tokens, eps=0.2):
+    """Dr. GRPO (Liu et al. 2025) as TRL runs it: loss_type "dr_grpo", scale_rewards "none"."""
+    return grpo_loss(token_logp, behavior_token_logp, mask, reward, eps, scale_rewards=False, loss_type="dr_grpo",
+                     max_tokens=max_tokens)
+
+
+def online_dpo_loss(logp, ref_logp, reward, beta):
+    """
+    Online DPO (Guo et al. 2024; TRL's OnlineDPOTrainer, sigmoid loss) on the best and the worst of each
+    query's K responses, the paper's strongest asynchronous baseline:
+        h = beta * [(logp_w - ref_logp_w) - (logp_l - ref_logp_l)],   L = -mean_x log sigmoid(h)
+    A query whose K responses all have the same reward has no preference and adds nothing. (Q, K) inputs.
+    """
+    w, l = reward.argmax(dim=1, keepdim=True), reward.argmin(dim=1, keepdim=True)  # (Q, 1)
+    margin = (logp - ref_logp).gather(1, w) - (logp - ref_logp).gather(1, l)  # (Q, 1)
+    has_pair = (reward.gather(1, w) > reward.gather(1, l)).float()  # (Q, 1)
+    return -(F.logsigmoid(beta * margin) * has_pair).sum() / logp.shape[0]
+
+
+# -----------------------------------------------------------------------------
+# The hand-over from the trainer
+
+def baseline_loss(cfg, groups, token_logp, beta):
+    """The loss of comparison objective cfg.objective on q groups of K trajectories, token_logp being the
+    policy's log-probs of their response tokens (q K, R) with grad. Behaviour log-probs come from the
+    searchers (on-policy under --sync: the ratios are 1)."""
+    q, K, R = len(groups), len(groups[0]), token_logp.shape[1]
+    flat, device = [t for g in groups for t in g], token_logp.device
+    grid = lambda values: torch.tensor(values, dtype=torch.float32, device=device).view(q, K)  # (q, K)
+    padded = lambda rows: torch.tensor([list(r) + [0.0] * (R - len(r)) for r in rows], dtype=torch.float32,
+                                       device=device).view(q, K, R)  # (q, K, R)
+    token_logp = token_logp.view(q, K, R)
+    logp, mask = token_logp.sum(dim=2), padded([[1.0] * len(t.response_ids) for t in flat])  # (q, K), (q, K, R)
+    ref_logp, reward = grid([t.ref_logp for t in flat]), grid([t.reward for t in flat])
+    if cfg.sync:  # the policy that sampled the batch is the current one
+        behavior_logp, behavior_token_logp = logp.detach(), token_logp.detach()
+    else:
+        behavior_logp, behavior_token_logp = grid([t.behavior_logp for t in flat]), padded([t.behavior_token_logp for t in flat])
+    if cfg.objective == "rloo":
+        return rloo_loss(logp, behavior_logp, ref_logp, reward, beta)
+    if cfg.objective == "grpo":
+        return grpo_loss(token_logp, behavior_token_logp, mask, reward)
+    if cfg.objective == "dr_grpo":
+        return dr_grpo_loss(token_logp, behavior_token_logp, mask, reward, cfg.max_new_tokens)
+    if cfg.objective == "online_dpo":
+        return online_dpo_loss(logp, ref_logp, reward, beta)
+    raise ValueError(f"unknown baseline objective {cfg.objective!r}")
+
+
+# -----------------------------------------------------------------------------
+# --sync: the on-policy system, in the trainer's process
+
+class SyncSearch:
+    """The searchers' interface (searcher.Searchers) for the on-policy baseline: each merge generates a fresh
+    batch of Q prompts x S responses with the trainer's own policy, which becomes the buffer's latest round;
+    --sync sets k = 1 and m = 1 (config.parse_config), so every step trains on exactly that batch."""
+
+    def __init__(self, cfg):
+        self.received, self.restarts, self.stop = 0, 0, None
+
+    def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
+        self.cfg = cfg
+        # reference (and, for ratio objectives, behaviour) log-probs are left to the trainer's batched forward
+        self.searcher = Searcher(cfg, task, HFGenerator(policy, tokenizer, cfg.max_new_tokens), tokenizer,
+                                 task.make_scorer(cfg.device), cfg.seed)
+        self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.num_queries, cfg.seed)
+
+    def merge(self, buffer, step):
+        items = self.searcher.search(next(self.prompts), step, ref_version=-1)
+        self.received += len(items)
+        buffer.add(items)
+        return items
+
+    def check_alive(self):
+        pass
+
+    def publish(self, policy, version):
+        pass  # the in-process searcher generates with the trainer's own policy
+
+    def publish_ref(self, ref, version):
+        pass  # ... and the trainer scores the reference itself
+
+    def state_dict(self):
+        return {"prompts": self.prompts.state_dict(), "searcher_rng": json_rng_state(self.searcher.rng.getstate()),
+                "received": self.received}
+
+    def load_state_dict(self, state):
+        self.prompts.load_state_dict(state["prompts"])
+        self.searcher.rng.setstate(tuple_rng_state(state["searcher_rng"]))
+        self.received = state["received"]
+
+    def close(self):
+        pass

@@ -1,0 +1,221 @@
+"""
+Everything a training run does besides TBA, behind the one object the trainer loop calls (tba.train):
+
+    with run.books as books:          Ctrl-C, SIGTERM and SIGHUP ask for a stop at the next step boundary; a
+                                      dead searcher or a stop leaves a checkpoint of the last consistent state
+        books.begin_step(step)        stop if asked; searchers alive?; a checkpoint every --checkpoint-every
+                                      steps; the task's evaluation every --eval-every steps
+        books.merged(fresh, step)     counts what a merge brought (fresh reward, searcher version, rounds)
+        books.log(record, groups, step)   the non-finite guard, the buffer/staleness/perf metrics, one line
+                                      on the terminal every --log-every steps, one record in metrics.jsonl
+        books.save(step)              a checkpoint (ops/checkpoint.py)
+    books.restore()                   a resumed run's state, from its newest readable checkpoint
+    books.finish()                    the final evaluation, final/ and result.json, the closing line
+
+The metric names are listed in docs/operations.md. Operations, not the algorithm: nothing here changes what
+the trainer learns.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from buffer import ReplayBuffer
+from config import LAUNCHED, ConfigError, RunError, Stopped
+from models import Policy
+from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
+from ops.metrics import Meter, format_line, write_metrics
+from searcher import SearcherDied, StopRequested
+
+
+class NonFiniteError(RunError):
+    pass
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the metrics count across steps (kept in checkpoints)."""
+    searcher_version: int = 0  # the newest policy version a merge brought
+    fresh_reward: float = math.nan  # mean reward of what the last merge brought
+    fresh_count: int = 0  # how many trajectories it brought
+    round: int = 0  # the buffer's latest round ...
+    round_step: int = 0  # ... and the step whose merge formed it
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient
+    nonfinite_run: int = 0  # ... in a row, up to now
+
+
+class Bookkeeping:
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, run):
+        self.run, self.cfg = run, run.cfg
+        self.counters, self.meter = Counters(), Meter()
+        self.metrics_path = os.path.join(run.cfg.run_dir, "metrics.jsonl")
+        if not run.cfg.resume:
+            open(self.metrics_path, "w").close()  # a resumed run appends to its metrics
+        self.step, self.requested, self.t_step, self.t_merged = run.start, 0, time.time(), time.time()
+
+    # -- stop signals, and a checkpoint on the way out
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        self.run.searchers.stop = self  # a stop asked while waiting for searchers ends the wait (`requested`)
+        return self
+
+    def _on_signal(self, signum, frame):
+        if self.requested:
+            raise Stopped(signum, "a second signal: no checkpoint of the current step")
+        self.requested = signum
+
+    def __exit__(self, kind, error, traceback):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        if kind is not None and issubclass(kind, SearcherDied):
+            self.save(self.step)  # the failing step had not trained: the state is consistent
+        elif kind is not None and issubclass(kind, StopRequested):  # at a step boundary or while waiting: too
+            path = self.save(self.step)
+            raise Stopped(self.requested, f"checkpoint {path}; continue with --resume {self.cfg.run_dir}") from None
+        return False
+
+    # -- per step
+
+    def begin_step(self, step):
+        """The step's record, after what happens between steps: a stop, a dead searcher, a checkpoint, an evaluation."""
+        self.step, self.t_step = step, time.time()
+        if self.requested:  # Ctrl-C, SIGTERM or SIGHUP: a checkpoint at this step boundary, then stop
+            raise StopRequested
+        self.run.searchers.check_alive()
+        if step > self.run.start and self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            self.save(step)
+        record = {"step": step}
+        if step == self.run.start or (self.cfg.eval_every and step % self.cfg.eval_every == 0):
+            record.update(self.evaluate(step))  # (the first overlaps with the searchers' start-up and initial fill)
+        self.t_merge = self.t_merged = time.time()  # (a step without a merge: time/merge is 0)
+        return record
+
+    def merged(self, fresh, step):
+        """Count what a merge brought."""
+        c, run = self.counters, self.run
+        self.t_merged = time.time()
+        c.fresh_count = len(fresh)
+        if step == run.start:
+            self.meter.restart()  # rates count from the first trained step on, after the initial fill
+        else:
+            self.meter.count(fresh)
+        if step > run.start and not fresh:
+            tqdm.write(f"sync at step {step}: no new trajectories from the searchers (training on the buffer's older ones)")
+        if run.buffer.latest_round != c.round:  # the merge formed a new latest round
+            c.round, c.round_step = run.buffer.latest_round, step
+        if fresh:
+            c.fresh_reward = float(np.mean([t.reward for t in fresh]))
+            c.searcher_version = max(c.searcher_version, max(t.policy_version for t in fresh))
+
+    def log(self, record, groups, step):
+        """Complete the step's record, guard against non-finite steps, write it, print it every log_every steps."""
+        c, run = self.counters, self.run
+        c.skipped += record["grad/skipped"]
+        c.nonfinite_run = c.nonfinite_run + 1 if record["grad/skipped"] else 0
+        if c.nonfinite_run >= self.cfg.max_nonfinite_steps:
+            raise NonFiniteError(f"{c.nonfinite_run} steps in a row had a non-finite loss or gradient (step {step}); "
+                                 f"stopping (--max-nonfinite-steps {self.cfg.max_nonfinite_steps})")
+        train_seconds = time.time() - self.t_merged
+        self.meter.busy += train_seconds
+        record.update({
+            "time/merge": self.t_merged - self.t_merge, "time/train": train_seconds,
+            "reward/fresh": c.fresh_reward, "buffer/fresh": c.fresh_count, "buffer/round_age": step - c.round_step,
+            "grad/skipped_total": c.skipped, "buffer/size": len(run.buffer), "buffer/queries": run.buffer.num_queries,
+            "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": run.ref_version,
+            "searcher/version": c.searcher_version, "searcher/restarts": run.searchers.restarts,
+            **staleness_stats(groups, step, run.buffer), **self.meter.rates(started=step > run.start),
+            "time/step": time.time() - self.t_step, **self.meter.times()})
+        write_metrics(self.metrics_path, record)
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
+            tqdm.write(format_line(record))
+
+    def require_finite(self, model, message):
+        if not all(torch.isfinite(p).all().item() for p in model.parameters()):
+            raise NonFiniteError(message)
+
+    # -- evaluation
+
+    def evaluate(self, step):
+        """The task's evaluation of the current policy, printed, as eval/<name> metrics (not counted as run time)."""
+        run, t0 = self.run, time.time()
+        n = self.cfg.eval_size or len(run.task.eval_prompts)
+        metrics = run.task.evaluate(Policy(self.cfg, run.policy, run.ref, run.tokenizer), n)
+        example = metrics.pop("example", None)
+        seconds = time.time() - t0
+        self.meter.eval += seconds
+        headline = run.task.headline
+        shown = " | ".join(f"{k} {100 * v:.1f}%" if k == headline else f"{k} {v:.4g}" for k, v in metrics.items())
+        tqdm.write(f"eval step {step} | {shown} | {n} held-out prompts | {seconds:.1f}s"
+                   + (f" | e.g. {example.strip()[:100]!r}" if example is not None else ""))
+        metrics = {f"eval/{k}": v for k, v in metrics.items()}
+        run.before = run.before or metrics  # the run's first evaluation, kept across resumes
+        return {**metrics, "time/eval_since_launch": time.time() - LAUNCHED - self.meter.eval}  # (evaluation excluded)
+
+    def finish(self):
+        """The final evaluation, the trained policy saved, before/after written to result.json and printed."""
+        run, cfg = self.run, self.cfg
+        record = self.evaluate(cfg.steps)
+        write_metrics(self.metrics_path, {"step": cfg.steps, **record})
+        after = {k: v for k, v in record.items() if k.startswith("eval/")}
+        final_dir = os.path.join(cfg.run_dir, "final")
+        run.policy.save_pretrained(final_dir)
+        run.tokenizer.save_pretrained(final_dir)
+        respect_umask(final_dir)
+        print(f"saved the final policy to {final_dir}")
+        with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
+            json.dump({"headline": run.task.headline, "before": run.before, "after": after}, f, indent=2)
+        key = f"eval/{run.task.headline}"
+        print(f"{run.task.headline}: before {100 * run.before[key]:.1f}% -> after {100 * after[key]:.1f}%")
+        return run.before, after
+
+    # -- checkpoints
+
+    def save(self, step):
+        """A checkpoint of the state before trainer step `step` (never of non-finite weights)."""
+        run = self.run
+        for model in (run.policy, run.ref):
+            self.require_finite(model, "non-finite weights: no checkpoint written")
+        state = {"ref_version": run.ref_version, "before": run.before, **dataclasses.asdict(self.counters),
+                 "searchers": run.searchers.state_dict(), "config": dataclasses.asdict(self.cfg)}
+        return save_checkpoint(self.cfg.run_dir, step, run.policy, run.ref, run.opt, run.buffer, state,
+                               keep=self.cfg.keep_checkpoints)
+
+    def restore(self):
+        """Load the newest readable checkpoint of --resume into the run (a broken newest one is named and the
+        previous used); returns the searchers' saved state."""
+        run, cfg = self.run, self.cfg
+        for path in checkpoints_newest_first(cfg.resume):
+            try:
+                state = load_checkpoint(path, run.policy, run.ref, run.opt, run.buffer)
+            except CheckpointError as e:
+                print(f"warning: cannot resume from {e}; trying the checkpoint before it")
+                continue
+            if state["step"] > cfg.steps:
+                raise ConfigError(f"--resume {cfg.resume}: {path} is at step {state['step']}, past --steps {cfg.steps}")
+            print(f"resuming from {path} at step {state['step']}")
+            run.start, run.ref_version, run.before = state["step"], state["ref_version"], state["before"]
+            self.step = run.start
+            self.counters = Counters(**{f.name: state[f.name] for f in dataclasses.fields(Counters)})
+            return state["searchers"]
+        raise ConfigError(f"--resume {cfg.resume}: no checkpoint there could be read")
+
+
+def staleness_stats(groups, step, buffer):
+    """Distribution of (step - policy_version) over the batch, and its max over latest-round items."""
+    s = ReplayBuffer.staleness(groups, step)
+    in_round = {id(t) for items in buffer.latest.values() for t in items}
+    latest = [step - t.policy_version for g in groups for t in g if id(t) in in_round]
+    return {"buffer/latest_frac": sum(id(g[0]) in in_round for g in groups) / len(groups),  # the realised m
+            "staleness/mean": float(s.mean()), "staleness/p50": float(np.percentile(s, 50)),
+            "staleness/p90": float(np.percentile(s, 90)), "staleness/max": int(s.max()),
+            "staleness/latest_max": max(latest, default=-1), "staleness/hist": np.bincount(s).tolist()}

