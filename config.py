@@ -235,8 +235,10 @@ def _parse_as(base, optional):
     return parse
 
 
-def parse_config(config_cls, presets, argv=None, default_preset="tiny", description=None):
-    """`--preset NAME` picks a column of defaults from `presets`; every other flag overrides one field."""
+def parse_config(config_cls, presets, argv=None, default_preset=None, description=None):
+    """`--preset NAME` picks a column of defaults from `presets` (default: the first); every other flag
+    overrides one field."""
+    default_preset = default_preset or next(iter(presets))
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=sorted(presets), default=default_preset)
     known, _ = pre.parse_known_args(argv)

@@ -37,6 +37,7 @@ from the project: copy it alone.
 Run `python loss.py` to check the loss at its optimum and the Appendix A gradient on random numbers.
 """
 
+import inspect
 import math
 
 import torch
@@ -85,15 +86,20 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, temperatu
     input_ids, attention_mask, response_mask: (N, T), rows as `make_batch` builds them:
     [left pad][prompt][response][right pad], so the responses fill the last R columns. attention_mask is
     1 on prompt and response, response_mask on response tokens only. Position ids are counted from the
-    first real token so left padding does not shift them. Padded positions are masked out with
+    first real token so left padding does not shift them. Only the last R + 1 positions' logits are computed
+    (transformers' `logits_to_keep`): for a 150k vocabulary the prompt's would dominate the memory. Padded positions are masked out with
     torch.where, so they contribute exactly 0 (and cannot leak NaN into a sum).
     """
     R = int(response_mask.sum(dim=1).max())
     if R == 0:
         return torch.zeros(input_ids.shape[0], 0)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (N, T)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, -R - 1:-1]  # (N, R, V): the positions that predict the response tokens
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:  # transformers' causal LMs
+        logits = model(**inputs, logits_to_keep=R + 1).logits  # (N, R + 1, V): no logits over the prompt
+    else:
+        logits = model(**inputs).logits[:, -R - 1:]  # (N, R + 1, V)
+    logits = logits[:, :-1]  # (N, R, V): the positions that predict the response tokens
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least float32
     targets = input_ids[:, -R:]  # (N, R)
     token_logp = torch.gather(F.log_softmax(logits, dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)  # (N, R)

@@ -4,8 +4,11 @@ searchers (searcher.py) and the tasks' evaluations (rewards.py, tasks/).
 
     load_model(path, device, dtype)   AutoModelForCausalLM + AutoTokenizer, in eval mode, with a pad token
     HFGenerator                       transformers `generate` with a KV cache: n responses per prompt, cut at
-                                      EOS; the searchers' default backend (ops/vllm_backend.py has the same
-                                      interface: generate(prompt_ids, n, temperature, greedy), load_state_dict)
+                                      the first stop id; the searchers' default backend (ops/vllm_backend.py
+                                      has the same interface: generate(prompt_ids, n, temperature, greedy),
+                                      load_state_dict(tensors), stop_ids)
+    stop_ids(model, tokenizer)        every id that ends a response: the tokenizer's EOS and the model's
+                                      generation-config EOS ids (a chat model ends its turn with another id)
     score_logprobs(model, ...)        no-grad log pi(y|x) of (prompt, response) pairs, a micro-batch at a time
     Policy                            text in, text out: what a task's `evaluate` works with
 
@@ -60,26 +63,36 @@ class HFGenerator:
 
     def __init__(self, model, tokenizer, max_new_tokens):
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+        self.stop_ids = stop_ids(model, tokenizer)
 
     def load_state_dict(self, tensors):
         self.model.load_state_dict(tensors)
 
     @torch.no_grad()
     def generate(self, prompt_ids, n, temperature, greedy=False):
-        """n responses per prompt (prompt-major order), each a list of ids ending in EOS unless truncated."""
+        """n responses per prompt (prompt-major order), each a list of ids ending in a stop id unless truncated."""
         rows = [p for p in prompt_ids for _ in range(n)]
         input_ids, attention_mask, _ = make_batch(rows, [[]] * len(rows), self.tokenizer.pad_token_id)
         device = self.model.device
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                   max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=self.tokenizer.eos_token_id, **sampling)
-        return [cut_at_eos(row, self.tokenizer.eos_token_id) for row in out[:, input_ids.shape[1]:].tolist()]
+                                  eos_token_id=list(self.stop_ids), **sampling)
+        return [cut_at_eos(row, self.stop_ids) for row in out[:, input_ids.shape[1]:].tolist()]
 
 
-def cut_at_eos(ids, eos_id):
-    """Keep tokens up to and including the first EOS (what follows is padding)."""
-    return ids[:ids.index(eos_id) + 1] if eos_id in ids else ids
+def stop_ids(model, tokenizer):
+    """Every token id that ends a response: the tokenizer's EOS and every EOS id of the model's generation
+    config (chat models end a turn with another id, e.g. Qwen's <|im_end|> besides <|endoftext|>)."""
+    config_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    config_ids = [] if config_ids is None else [config_ids] if isinstance(config_ids, int) else list(config_ids)
+    return tuple(dict.fromkeys([tokenizer.eos_token_id, *config_ids]))  # (ordered, without repeats)
+
+
+def cut_at_eos(ids, stop):
+    """Keep tokens up to and including the first stop id (what follows is padding)."""
+    end = next((i for i, t in enumerate(ids) if t in stop), None)
+    return ids if end is None else ids[:end + 1]
 
 
 @torch.no_grad()
@@ -105,7 +118,7 @@ def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batc
 class Completion:
     text: str  # decoded without special tokens
     token_ids: tuple  # generated ids, EOS included when generated
-    finished: bool  # ended with EOS (False: cut at max_new_tokens)
+    finished: bool  # ended with a stop id (False: cut at max_new_tokens)
 
 
 class Policy:
@@ -121,7 +134,7 @@ class Policy:
         out = []
         for i in range(0, len(rows), self.cfg.eval_batch_size):
             out += self.generator.generate(rows[i:i + self.cfg.eval_batch_size], 1, temperature, greedy)
-        return completions(self.tokenizer, out)
+        return completions(self.tokenizer, out, self.generator.stop_ids)
 
     def logprobs(self, prompts, completions, model="policy"):
         """Sequence log-probs (at the loss temperature) of completions of prompts under the policy or the reference."""
@@ -132,6 +145,8 @@ class Policy:
                               self.cfg.micro_batch)
 
 
-def completions(tokenizer, responses):
+def completions(tokenizer, responses, stop=None):
+    """Completion records of generated ids; `stop`: the ids that end a response (default: the tokenizer's EOS)."""
+    stop = stop or (tokenizer.eos_token_id,)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return [Completion(t, tuple(r), bool(r) and r[-1] == tokenizer.eos_token_id) for t, r in zip(texts, responses)]
+    return [Completion(t, tuple(r), bool(r) and r[-1] in stop) for t, r in zip(texts, responses)]

@@ -153,7 +153,7 @@ class Searcher:
             self.prompt_ids[q] = ids
         responses = self.generator.generate([self.prompt_ids[q] for q in query_ids], S, self.temperature())
         qids = [q for q in query_ids for _ in range(S)]
-        done = completions(self.tokenizer, responses)
+        done = completions(self.tokenizer, responses, self.generator.stop_ids)
         rewards = self.scorer([self.task.prompts[q] for q in qids], [c.text for c in done],
                               [self.task.metas[q] for q in qids])
         if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward

@@ -65,6 +65,8 @@ from safetensors.torch import save_file  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from models import stop_ids  # noqa: E402
+
 
 class VLLMGenerator:
     """vLLM's offline engine, in this process, sampling from weights that `load_state_dict` replaces."""
@@ -85,18 +87,18 @@ class VLLMGenerator:
                        kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                        use_tqdm_on_load=False)  # no progress bar at every reload
         self.shapes = {name: tuple(t.shape) for name, t in policy.state_dict().items()}
-        self.eos_id, self.max_new_tokens = tokenizer.eos_token_id, cfg.max_new_tokens
+        self.stop_ids, self.max_new_tokens = stop_ids(policy, tokenizer), cfg.max_new_tokens  # every EOS id
         self.seed, self.requests = seed, 0
         self.model = None  # the weights live inside the engine
         self.snapshot_dir = tempfile.mkdtemp(prefix="tba-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.snapshot_dir, True)  # removed when this process exits
 
     def generate(self, prompt_ids, n, temperature, greedy=False):
-        """n responses per prompt (prompt-major order), each ending in EOS unless cut at max_new_tokens."""
+        """n responses per prompt (prompt-major order), each ending in a stop id unless cut at max_new_tokens."""
         params = []
         for _ in prompt_ids:  # (6) one seed per request
             params.append(SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0,
-                                         max_tokens=self.max_new_tokens, stop_token_ids=[self.eos_id],
+                                         max_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_ids),
                                          seed=(self.seed << 32) + self.requests, detokenize=False))
             self.requests += 1
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)

@@ -146,3 +146,31 @@ def _tiny_random_hf_model(arch, out_dir, texts):
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return str(out_dir)
+
+
+QWEN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_qwen2(out_dir, texts):
+    """A tiny random Qwen2 as chat models ship: a byte-level BPE tokenizer with <|im_start|> / <|im_end|> and a
+    chat template, EOS <|endoftext|>, and a generation config that also ends a turn at <|im_end|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=specials[1:])
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    torch.manual_seed(0)
+    im_end, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512, eos_token_id=eos, pad_token_id=eos))
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, eos], pad_token_id=eos)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)

@@ -220,6 +220,8 @@ def test_no_eos_penalty_replaces_the_score():
     eos, word = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("boss")
 
     class Generator:
+        stop_ids = (eos,)
+
         def generate(self, prompt_ids, n, temperature, greedy=False):
             return [[word, eos], [word, word]]  # the second was cut at max_new_tokens
 

@@ -1,0 +1,55 @@
+"""
+models.py and loss.py with real architectures: a chat model's every EOS id ends a response (both backends read
+stop_ids), and sequence log-probs computed from the response positions' logits alone equal those from every
+position's. Tiny random models saved with save_pretrained and loaded back through from_pretrained.
+
+Run: python -m pytest -q tests/test_models.py
+"""
+
+import torch
+
+from loss import make_batch, response_logprobs
+from models import HFGenerator, completions, cut_at_eos, load_model, stop_ids
+from tests.helpers import _tiny_qwen2
+
+TEXTS = ["yes no maybe yes", "the cat says yes", "hello world, hello you"] * 20
+
+
+def test_every_eos_id_of_a_chat_model_ends_a_response(tmp_path):
+    model, tokenizer = load_model(_tiny_qwen2(tmp_path / "qwen", TEXTS))
+    im_end, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id
+    assert stop_ids(model, tokenizer) == (eos, im_end), "the tokenizer's EOS, then the generation config's others"
+    assert cut_at_eos([5, 6, im_end, 7, eos], (eos, im_end)) == [5, 6, im_end]
+    assert cut_at_eos([5, 6, 7], (eos, im_end)) == [5, 6, 7], "a truncated response is kept whole"
+    done = completions(tokenizer, [[5, im_end], [5, eos], [5, 6]], (eos, im_end))
+    assert [c.finished for c in done] == [True, True, False]
+    generator = HFGenerator(model, tokenizer, max_new_tokens=12)
+    torch.manual_seed(0)
+    rows = generator.generate([tokenizer("the cat")["input_ids"]], n=64, temperature=3.0)
+    stops = {eos, im_end}
+    for row in rows:
+        assert not stops & set(row[:-1]), f"a response runs past a stop id: {row}"
+        assert len(row) == 12 or row[-1] in stops, f"a response ended early without a stop id: {row}"
+
+
+class _FullLogits(torch.nn.Module):
+    """The same model, without transformers' logits_to_keep: every position's logits are computed."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+def test_response_logprobs_from_the_response_positions_alone(tmp_path):
+    model, tokenizer = load_model(_tiny_qwen2(tmp_path / "qwen", TEXTS))
+    prompts = [tokenizer(t)["input_ids"] for t in ("the cat says", "hello")]
+    responses = [tokenizer(" yes")["input_ids"] + [tokenizer.eos_token_id], tokenizer(" world, hello you")["input_ids"]]
+    batch = make_batch(prompts, responses, tokenizer.pad_token_id)
+    kept = response_logprobs(model, *batch, temperature=0.7)  # (N, R): logits_to_keep = R + 1
+    full = response_logprobs(_FullLogits(model), *batch, temperature=0.7)
+    assert kept.shape == full.shape == (2, max(map(len, responses)))
+    assert torch.allclose(kept, full, atol=1e-5), (kept - full).abs().max()
+    assert (kept[0, len(responses[0]):] == 0).all(), "padding contributes exactly 0"
