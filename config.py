@@ -84,6 +84,13 @@ class Config:
                                                          "reward instead of its score")
     loss_temperature: typing.Optional[float] = model_(None, "logit temperature for log-probs in the loss (None: --temperature)")
     prompts_per_search: int = model_(4, "prompts per searcher generation batch")
+    gradient_checkpointing: bool = model_(False, "recompute activations in the backward: less memory, more compute "
+                                                 "(the policy trains in train mode with every dropout off)")
+    lora_rank: int = model_(0, "LoRA rank through PEFT (0: train every weight); the reference is then the base model "
+                               "with the adapters off, no second copy, and the searchers get the merged weights")
+    lora_alpha: float = model_(16.0, "LoRA alpha (the adapters' scale is alpha / rank)")
+    lora_dropout: float = model_(0.0, "LoRA dropout")
+    lora_target_modules: str = model_("all-linear", "modules that get adapters: all-linear, or a comma list of names")
     # trainer
     micro_batch_queries: int = trainer_(7, "queries per forward/backward (gradient accumulation over queries)")
     micro_batch: int = trainer_(64, "rows per no-grad scoring forward (reference log-probs)")
@@ -130,6 +137,10 @@ class Config:
                                          "there: for launchers that rerun the same command (torchrun --max-restarts, "
                                          "Slurm --requeue)")
 
+    def check_inputs(self):
+        """A task's own checks of its input files and code, run before anything is loaded or spawned (raise
+        ConfigError naming the flag); a task script's config overrides it where it has any."""
+
     @property
     def num_queries(self):
         """Q = batch_size / K: queries per training batch."""
@@ -168,7 +179,7 @@ def validate(cfg):
                 "max_nonfinite_steps"]
     non_negative = ["seed", "grad_clip", "warmup_steps", "stable_steps", "decay_steps", "beta_decay_steps", "ref_reset_every",
                     "checkpoint_every", "eval_every", "eval_size", "max_searcher_restarts", "max_prompt_tokens",
-                    "weight_decay", "lr_floor", "vllm_kv_cache_gb"]
+                    "weight_decay", "lr_floor", "vllm_kv_cache_gb", "lora_rank", "lora_dropout"]
     for name in positive:
         check(getattr(cfg, name) > 0, name, "must be > 0")
     for name in non_negative:
@@ -178,6 +189,9 @@ def validate(cfg):
         check(math.isfinite(value) and value > 0, name, "must be a finite number > 0")
     check(cfg.sync or cfg.num_searchers >= 1, "num_searchers", "must be >= 1")
     check(0.0 <= cfg.m <= 1.0, "m", "must be in [0, 1]")
+    check(not (cfg.lora_rank and cfg.ref_reset_every), "ref_reset_every", "with --lora-rank is not supported (the "
+          "reference is the base model under the adapters)")
+    check(not (cfg.lora_rank and cfg.ref_model), "ref_model", "with --lora-rank: the reference is the base model")
     check(cfg.responses_per_query <= cfg.samples_per_prompt, "responses_per_query", "(K) must be <= --samples-per-prompt (S)")
     check(cfg.batch_size % cfg.responses_per_query == 0, "batch_size", "must be a multiple of --responses-per-query")
     check(cfg.num_queries % cfg.micro_batch_queries == 0 or cfg.micro_batch_queries >= cfg.num_queries,

@@ -95,7 +95,8 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, temperatu
         return torch.zeros(input_ids.shape[0], 0)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (N, T)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:  # transformers' causal LMs
+    forward = (model.get_base_model() if hasattr(model, "get_base_model") else model).forward  # (a PEFT model's base)
+    if "logits_to_keep" in inspect.signature(forward).parameters:  # transformers' causal LMs
         logits = model(**inputs, logits_to_keep=R + 1).logits  # (N, R + 1, V): no logits over the prompt
     else:
         logits = model(**inputs).logits[:, -R - 1:]  # (N, R + 1, V)

@@ -3,6 +3,8 @@ Models: load a policy, generate with it, score log-probs with it. Shared by the 
 searchers (searcher.py) and the tasks' evaluations (rewards.py, tasks/).
 
     load_model(path, device, dtype)   AutoModelForCausalLM + AutoTokenizer, in eval mode, with a pad token
+    encode_prompts(tokenizer, texts)  prompt token ids, never with a second BOS (chat templates render one)
+    load_trainer_models(cfg)          the policy and its reference (LoRA: one model, the adapters on and off)
     HFGenerator                       transformers `generate` with a KV cache: n responses per prompt, cut at
                                       the first stop id; the searchers' default backend (ops/vllm_backend.py
                                       has the same interface: generate(prompt_ids, n, temperature, greedy),
@@ -42,6 +44,22 @@ def load_model(path, device="cpu", dtype=torch.float32, trust_remote_code=False)
     return model.to(device).eval(), tokenizer
 
 
+def load_trainer_models(cfg):
+    """The policy and its reference on the trainer's device, and the tokenizer: two models, or with --lora-rank
+    one, whose adapters train and whose base (the adapters off) is the reference. With --gradient-checkpointing
+    the policy recomputes activations in the backward (transformers does so in train mode only: the trainer
+    switches it to train mode for the loss, and every dropout is off)."""
+    policy, tokenizer = load_from_flag(cfg, "model")
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        without_dropout(policy)
+    if cfg.lora_rank:
+        policy = add_lora(policy, cfg)
+        return policy, AdaptersOff(policy), tokenizer
+    ref, _ = load_from_flag(cfg, "ref_model" if cfg.ref_model else "model")
+    return policy, ref.requires_grad_(False), tokenizer
+
+
 def load_from_flag(cfg, field):
     """load_model for --model or --ref-model on the trainer's device, a load failure being one line naming the flag."""
     path = getattr(cfg, field)
@@ -49,6 +67,13 @@ def load_from_flag(cfg, field):
         return load_model(path, cfg.device, dtype_of(cfg.dtype), cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--{field.replace('_', '-')} {path}: cannot load it ({str(e).splitlines()[0]})") from None
+
+
+def encode_prompts(tokenizer, texts):
+    """Token ids of each prompt text, with the tokenizer's special tokens unless the text already starts with its
+    BOS (a chat template renders it): never a second BOS."""
+    bos = tokenizer.bos_token
+    return [tokenizer(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"] for t in texts]
 
 
 def dtype_of(name):
@@ -130,7 +155,7 @@ class Policy:
 
     def generate(self, prompts, n=1, temperature=1.0, greedy=False):
         """n completions per prompt (prompt-major), eval_batch_size rows per generate call."""
-        rows = [ids for ids in self.tokenizer(list(prompts))["input_ids"] for _ in range(n)]
+        rows = [ids for ids in encode_prompts(self.tokenizer, prompts) for _ in range(n)]
         out = []
         for i in range(0, len(rows), self.cfg.eval_batch_size):
             out += self.generator.generate(rows[i:i + self.cfg.eval_batch_size], 1, temperature, greedy)
@@ -138,7 +163,7 @@ class Policy:
 
     def logprobs(self, prompts, completions, model="policy"):
         """Sequence log-probs (at the loss temperature) of completions of prompts under the policy or the reference."""
-        prompt_ids = self.tokenizer(list(prompts))["input_ids"]
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
         net = self.model if model == "policy" else self.ref
         T = self.cfg.loss_temperature or self.cfg.temperature
         return score_logprobs(net, prompt_ids, [c.token_ids for c in completions], self.tokenizer.pad_token_id, T,
@@ -150,3 +175,108 @@ def completions(tokenizer, responses, stop=None):
     stop = stop or (tokenizer.eos_token_id,)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     return [Completion(t, tuple(r), bool(r) and r[-1] in stop) for t, r in zip(texts, responses)]
+
+
+# -----------------------------------------------------------------------------
+# Memory: gradient checkpointing and LoRA
+
+def without_dropout(model):
+    """Every dropout off (nn.Dropout modules, and the dropout rates attention layers keep as floats), so that
+    train mode, which transformers' gradient checkpointing needs, computes the same log-probs as eval mode."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
+
+
+def add_lora(model, cfg):
+    """LoRA adapters on every linear layer (or --lora-target-modules) through PEFT: only they train."""
+    from peft import LoraConfig, get_peft_model
+    targets = "all-linear" if cfg.lora_target_modules == "all-linear" else cfg.lora_target_modules.split(",")
+    return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                            target_modules=targets, task_type="CAUSAL_LM"))
+
+
+def is_lora(model):
+    return hasattr(model, "peft_config")
+
+
+@torch.no_grad()
+def plain_state_dict(model, merged=True):
+    """The weights under the plain model's names (what a searcher's model and from_pretrained expect): a LoRA
+    model's base weights, with the adapters' W + B A merged in (merged=True) or not (the reference)."""
+    if not is_lora(model):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()
+    deltas = {f"{name}.weight": m.get_delta_weight(m.active_adapters[0]) for name, m in base.named_modules()
+              if isinstance(m, LoraLayer)} if merged else {}
+    plain = {}
+    for key, value in base.state_dict().items():
+        if "lora_" not in key:
+            key = key.replace(".base_layer", "")
+            plain[key] = value + deltas[key] if key in deltas else value
+    return plain
+
+
+class Merged:
+    """What the searchers receive of a LoRA policy: its merged weights under the plain names (`state_dict`)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return plain_state_dict(self.model)
+
+
+def for_searchers(policy):
+    return Merged(policy) if is_lora(policy) else policy
+
+
+def save_model(model, path):
+    """save_pretrained, a LoRA model merged: a directory AutoModelForCausalLM.from_pretrained loads."""
+    if is_lora(model):
+        model.get_base_model().save_pretrained(path, state_dict=plain_state_dict(model))
+    else:
+        model.save_pretrained(path)
+
+
+class AdaptersOff:
+    """The reference of a LoRA run: the policy with its adapters disabled, so no second copy of the model. It has
+    what the trainer, the searchers and checkpoints ask of a reference."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.get_base_model().config
+
+    def forward(self, input_ids, logits_to_keep=0, **inputs):
+        with self.model.disable_adapter():
+            return self.model(input_ids=input_ids, logits_to_keep=logits_to_keep, **inputs)
+
+    __call__ = forward
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def parameters(self):
+        return (p for name, p in self.model.named_parameters() if "lora_" not in name)
+
+    def state_dict(self):
+        return plain_state_dict(self.model, merged=False)
+
+    def load_state_dict(self, tensors, strict=True):
+        """Copy plain-named weights into the base weights; returns (missing, unexpected) like torch's."""
+        own = self.state_dict()
+        with torch.no_grad():
+            for key in own.keys() & tensors.keys():
+                own[key].copy_(tensors[key])
+        return sorted(own.keys() - tensors.keys()), sorted(tensors.keys() - own.keys())
+
+    def save_pretrained(self, path):
+        self.model.get_base_model().save_pretrained(path, state_dict=self.state_dict())
+
+    def requires_grad_(self, flag):
+        return self  # the base weights of a PEFT model are frozen already

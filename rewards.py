@@ -145,7 +145,8 @@ class Task:
       prompts, metas            training prompts (str) and their metadata (dict each: answer, reference, ...),
                                 indexed by Trajectory.query_id
       eval_prompts, eval_metas  held-out prompts for evaluation, likewise
-      headline                  the eval metric of the run's closing line (a fraction, printed as a percentage)
+      headline                  the eval metric of the run's closing line
+      percent                   True: the headline is a fraction, printed as a percentage
       make_scorer(device)       called once in each process that scores (every searcher; the trainer for
                                 --sync and evaluation): loads whatever the reward needs and returns a batched
                                 score(prompts, completions, metas) -> list[float], completions being texts
@@ -163,6 +164,7 @@ class Task:
     eval_metas: list
     name = "task"
     headline = "accuracy"
+    percent = True
 
     def make_scorer(self, device="cpu"):
         raise NotImplementedError
@@ -184,7 +186,8 @@ def drop_long_prompts(task, tokenizer, max_tokens):
     """Skip prompts longer than max_tokens (counted and printed), before any searcher sees them."""
     if not max_tokens:
         return task
-    keep = lambda prompts: [i for i, ids in enumerate(tokenizer(prompts)["input_ids"]) if len(ids) <= max_tokens]
+    from models import encode_prompts
+    keep = lambda prompts: [i for i, ids in enumerate(encode_prompts(tokenizer, prompts)) if len(ids) <= max_tokens]
     train_ids, eval_ids = keep(task.prompts), keep(task.eval_prompts)
     print(f"--max-prompt-tokens {max_tokens}: skipped {len(task.prompts) - len(train_ids)} of {len(task.prompts)} "
           f"training and {len(task.eval_prompts) - len(eval_ids)} of {len(task.eval_prompts)} held-out prompts")

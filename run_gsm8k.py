@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 
 from config import Config, knob
-from ops.launch import main
+from tba import main
 
 TINY = dict(
     run_dir="runs/gsm8k-tiny", steps=300, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",

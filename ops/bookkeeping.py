@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from buffer import ReplayBuffer
 from config import LAUNCHED, ConfigError, RunError, Stopped
-from models import Policy
+from models import Policy, save_model
 from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
 from ops.metrics import Meter, format_line, write_metrics
 from searcher import SearcherDied, StopRequested
@@ -153,8 +153,8 @@ class Bookkeeping:
         example = metrics.pop("example", None)
         seconds = time.time() - t0
         self.meter.eval += seconds
-        headline = run.task.headline
-        shown = " | ".join(f"{k} {100 * v:.1f}%" if k == headline else f"{k} {v:.4g}" for k, v in metrics.items())
+        shown = " | ".join(f"{k} {headline_text(run.task, v)}" if k == run.task.headline else f"{k} {v:.4g}"
+                           for k, v in metrics.items())
         tqdm.write(f"eval step {step} | {shown} | {n} held-out prompts | {seconds:.1f}s"
                    + (f" | e.g. {example.strip()[:100]!r}" if example is not None else ""))
         metrics = {f"eval/{k}": v for k, v in metrics.items()}
@@ -168,14 +168,15 @@ class Bookkeeping:
         write_metrics(self.metrics_path, {"step": cfg.steps, **record})
         after = {k: v for k, v in record.items() if k.startswith("eval/")}
         final_dir = os.path.join(cfg.run_dir, "final")
-        run.policy.save_pretrained(final_dir)
+        save_model(run.policy, final_dir)  # (LoRA: merged, so that from_pretrained loads it)
         run.tokenizer.save_pretrained(final_dir)
         respect_umask(final_dir)
         print(f"saved the final policy to {final_dir}")
         with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
             json.dump({"headline": run.task.headline, "before": run.before, "after": after}, f, indent=2)
         key = f"eval/{run.task.headline}"
-        print(f"{run.task.headline}: before {100 * run.before[key]:.1f}% -> after {100 * after[key]:.1f}%")
+        print(f"{run.task.headline}: before {headline_text(run.task, run.before[key])} -> after "
+              f"{headline_text(run.task, after[key])}")
         return run.before, after
 
     # -- checkpoints
@@ -208,6 +209,10 @@ class Bookkeeping:
             self.counters = Counters(**{f.name: state[f.name] for f in dataclasses.fields(Counters)})
             return state["searchers"]
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there could be read")
+
+
+def headline_text(task, value):
+    return f"{100 * value:.1f}%" if task.percent else f"{value:.3f}"
 
 
 def staleness_stats(groups, step, buffer):

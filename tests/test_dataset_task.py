@@ -1,0 +1,165 @@
+"""
+Your own model, data and reward (tasks/dataset.py, `python tba.py`): datasets read through HF `datasets`, chat
+prompts through the chat template with one BOS, a TRL-style reward called as TRL calls it, every bad input one
+line before anything starts, a bad reward ending the run with a line naming it, and a run that learns.
+
+Run: python -m pytest -q tests/test_dataset_task.py
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from config import ConfigError
+from tasks.dataset import DEFAULTS, DatasetConfig, RewardError, RewardScorer, load_reward, make_task, read_rows
+from tests.helpers import ROOT, _tiny_qwen2
+
+REWARDS = '''
+def says_yes(prompts, completions, target, **kwargs):
+    return [1.0 if t in c[0]["content"] else 0.0 for c, t in zip(completions, target)]
+
+def text_length(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+def short(prompts, completions, **kwargs):
+    return [1.0]
+
+def nan(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+def words(prompts, completions, **kwargs):
+    return ["yes"] * len(completions)
+
+def boom(prompts, completions, **kwargs):
+    raise KeyError("target")
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """A tiny random Qwen2 chat model, chat-prompt datasets with an extra column, and a file of rewards."""
+    root = tmp_path_factory.mktemp("own")
+    texts = ["yes no maybe yes", "the cat says yes", "hello world, hello you", "no, never", "maybe later"] * 20
+    _tiny_qwen2(root / "qwen", texts)
+    for name, lo, hi in (("train", 0, 96), ("eval", 96, 128)):
+        with open(root / f"{name}.jsonl", "w") as f:
+            for i in range(lo, hi):
+                f.write(json.dumps({"prompt": [{"role": "user", "content": f"do you like tea {i}?"}], "target": "yes"}) + "\n")
+    (root / "rewards.py").write_text(REWARDS)
+    return root
+
+
+def _cfg(own, **fields):
+    return DatasetConfig(**{**DEFAULTS, "model": str(own / "qwen"), "dataset": str(own / "train.jsonl"),
+                            "eval_dataset": str(own / "eval.jsonl"), "reward": f"{own / 'rewards.py'}:says_yes", **fields})
+
+
+def test_chat_prompts_go_through_the_template_and_the_reward_is_called_as_trl_calls_it(own):
+    task = make_task(_cfg(own), None)
+    assert len(task.prompts) == 96 and len(task.eval_prompts) == 32 and task.chat
+    assert task.prompts[0] == "<|im_start|>user\ndo you like tea 0?<|im_end|>\n<|im_start|>assistant\n"
+    assert task.metas[0] == {"prompt": [{"role": "user", "content": "do you like tea 0?"}], "target": "yes"}
+    score = task.make_scorer()
+    assert score(task.prompts[:2], ["oh yes", "no"], task.metas[:2]) == [1.0, 0.0], "chat completions, extra column"
+    text = RewardScorer(f"{own / 'rewards.py'}:text_length", "prompt", chat=False)
+    assert text(["p"], ["four"], [{"prompt": "p"}]) == [4.0], "text prompts get text completions"
+
+
+def test_one_bos_when_the_template_renders_it():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from models import encode_prompts
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "hello": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])  # adds a BOS
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="[UNK]")
+    assert tokenizer("<s>hello")["input_ids"] == [0, 0, 1], "a rendered chat prompt, tokenized plainly: two BOS"
+    assert encode_prompts(tokenizer, ["hello", "<s>hello"]) == [[0, 1], [0, 1]]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("short", "returned 1 values for 2 completions; expected a list of 2 finite numbers"),
+    ("nan", "returned 2 values with nan for 2 completions"),
+    ("words", "returned 2 values with 'yes' for 2 completions"),
+    ("boom", "raised KeyError: 'target'"),
+])
+def test_a_bad_reward_is_named_with_what_it_did(own, name, message):
+    score = RewardScorer(f"{own / 'rewards.py'}:{name}", "prompt", chat=False)
+    with pytest.raises(RewardError, match=re.escape(f"--reward {own / 'rewards.py'}:{name} {message}")):
+        score(["p", "q"], ["a", "b"], [{"prompt": "p"}, {"prompt": "q"}])
+
+
+def test_bad_inputs_are_one_line_naming_the_flag(own, tmp_path):
+    rewards = own / "rewards.py"
+    cases = [(lambda: load_reward(f"{tmp_path / 'none.py'}:f"), f"--reward {tmp_path / 'none.py'}:f: no such file"),
+             (lambda: load_reward(f"{rewards}:missing"), f"--reward {rewards}:missing: {rewards} has no missing"),
+             (lambda: load_reward(f"{rewards}:NOT_A_FUNCTION"), "NOT_A_FUNCTION is a int, not a function"),
+             (lambda: load_reward("says_yes"), "--reward says_yes: expected FILE.py:NAME or module:NAME"),
+             (lambda: make_task(_cfg(own, prompt_column="question"), None), "--prompt-column question: not a column"),
+             (lambda: make_task(_cfg(own, dataset=str(tmp_path / "no.jsonl")), None), "no such file"),
+             (lambda: make_task(_cfg(own, reward=""), None), "--reward is required")]
+    (tmp_path / "empty.jsonl").write_text("")
+    cases.append((lambda: make_task(_cfg(own, dataset=str(tmp_path / "empty.jsonl")), None), "empty.jsonl"))
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+
+
+def test_csv_parquet_and_save_to_disk_read_alike(own, tmp_path):
+    import datasets
+    rows = [{"prompt": f"say {i}", "target": "yes"} for i in range(5)]
+    data = datasets.Dataset.from_list(rows)
+    data.to_csv(tmp_path / "d.csv")
+    data.to_parquet(tmp_path / "d.parquet")
+    data.save_to_disk(tmp_path / "saved")
+    for path in ("d.csv", "d.parquet", "saved"):
+        assert read_rows(str(tmp_path / path), "train", "dataset", "prompt") == rows, path
+
+
+def _run(own, tmp_path, *flags):
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--model", str(own / "qwen"), "--dataset", str(own / "train.jsonl"),
+           "--eval-dataset", str(own / "eval.jsonl"), "--run-dir", str(tmp_path / "run"), "--device", "cpu",
+           "--max-new-tokens", "6", "--batch-size", "32", "--responses-per-query", "8", "--samples-per-prompt", "8",
+           "--initial-completions", "32", "--eval-every", "0", "--log-every", "10", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_your_own_model_data_and_reward_learn_from_the_command_line(own, tmp_path):
+    out = _run(own, tmp_path, "--reward", f"{own / 'rewards.py'}:says_yes", "--steps", "40", "--lr", "3e-3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(float, re.fullmatch(r"reward: before ([\d.]+) -> after ([\d.]+)", out.stdout.splitlines()[-1]).groups())
+    assert after - before >= 0.2, out.stdout[-2000:]
+    result = json.load(open(tmp_path / "run" / "result.json"))
+    assert result["headline"] == "reward" and math.isclose(result["after"]["eval/reward"], after, abs_tol=1e-3)
+
+
+def test_a_reward_that_fails_ends_the_run_naming_it(own, tmp_path):
+    out = _run(own, tmp_path, "--reward", f"{own / 'rewards.py'}:nan", "--steps", "40")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert f"error: --reward {own / 'rewards.py'}:nan returned 32 values with nan for 32 completions" in out.stderr
+    out = _run(own, tmp_path / "second", "--reward", f"{own / 'rewards.py'}:missing", "--steps", "40")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: --reward {own / 'rewards.py'}:missing: {own / 'rewards.py'} has no missing"]
+    assert not os.path.exists(tmp_path / "second"), "a refused run writes nothing"
+
+
+def test_lora_learns_resumes_and_saves_a_model_from_pretrained_loads(own, tmp_path):
+    pytest.importorskip("peft")
+    reward = ["--reward", f"{own / 'rewards.py'}:says_yes", "--lr", "3e-3", "--lora-rank", "4"]
+    out = _run(own, tmp_path, *reward, "--steps", "40", "--checkpoint-every", "20")
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(float, re.fullmatch(r"reward: before ([\d.]+) -> after ([\d.]+)", out.stdout.splitlines()[-1]).groups())
+    assert after - before >= 0.1, out.stdout[-2000:]
+    assert os.path.isfile(tmp_path / "run" / "checkpoints" / "step-000040" / "policy" / "adapter_model.safetensors")
+    resumed = _run(own, tmp_path, *reward, "--steps", "44", "--resume", str(tmp_path / "run"))  # the same flags
+    assert resumed.returncode == 0 and "at step 40" in resumed.stdout, resumed.stderr[-3000:]
+    from models import load_model
+    final, _ = load_model(str(tmp_path / "run" / "final"))  # the merged policy, a plain model
+    assert type(final).__name__ == "Qwen2ForCausalLM"
