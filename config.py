@@ -76,7 +76,8 @@ class Config:
     model: str = model_("", "policy initialisation: HF hub name or local directory")
     ref_model: str = model_("", "reference policy (empty: same as --model)")
     trust_remote_code: bool = model_(False, "allow custom model code from the hub")
-    dtype: str = model_("auto", "model dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16")
+    dtype: str = model_("auto", "model dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16 | "
+                                "bf16-mixed (float32 weights and optimiser state, bfloat16 compute under autocast)")
     temperature: float = model_(0.7, "sampling temperature")
     temperature_max: typing.Optional[float] = model_(None, "if set, each batch samples at uniform[temperature, this]")
     max_new_tokens: int = model_(512, "longest response, in tokens")
@@ -101,6 +102,8 @@ class Config:
     eval_size: int = eval_(0, "held-out prompts per evaluation (0: all)")
     eval_batch_size: int = eval_(64, "prompts per evaluation generation batch")
     log_every: int = eval_(1, "print a metrics line every this many steps (metrics.jsonl gets every step)")
+    report_to: str = eval_("none", "also log the metrics to: none | tensorboard (run_dir/tensorboard) | wandb "
+                                   "(WANDB_MODE=offline keeps it offline)")
     # run
     run_dir: str = run_("runs/tba", "directory for config.json, metrics.jsonl, checkpoints and the final model")
     seed: int = run_(0, "random seed for every process (each searcher offsets it by its rank)")
@@ -202,9 +205,13 @@ def validate(cfg):
     check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
     check(cfg.objective == "tb" or cfg.responses_per_query >= 2, "responses_per_query", f"must be >= 2 for {cfg.objective}")
     check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")
+    check(cfg.report_to in ("none", "tensorboard", "wandb"), "report_to", "must be none, tensorboard or wandb")
     check(cfg.lr_decay in ("cosine", "linear"), "lr_decay", "must be cosine or linear")
     check(cfg.backend in ("auto", "hf", "vllm"), "backend", "must be auto, hf or vllm")
-    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16", "bf16-mixed"), "dtype",
+          "must be auto, float32, bfloat16, float16 or bf16-mixed")
+    check(not (cfg.dtype == "bf16-mixed" and cfg.backend == "vllm"), "dtype", "bf16-mixed with --backend vllm is not "
+          "supported (vLLM keeps weights of one dtype): use --dtype bfloat16")
     check(cfg.on_searcher_failure in ("abort", "restart"), "on_searcher_failure", "must be abort or restart")
     check(len(cfg.searcher_device.split(",")) in (1, cfg.num_searchers), "searcher_device", "needs one device or one per searcher")
     kinds = {d.split(":")[0] for d in cfg.searcher_device.split(",")}  # one vLLM build serves CPU or GPU, not both

@@ -77,7 +77,13 @@ def encode_prompts(tokenizer, texts):
 
 
 def dtype_of(name):
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    """The dtype weights are loaded in (bf16-mixed: float32, with bfloat16 compute under `autocast`)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bf16-mixed": torch.float32}[name]
+
+
+def autocast(cfg, device):
+    """bfloat16 compute on float32 weights under --dtype bf16-mixed (a no-op context otherwise)."""
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.dtype == "bf16-mixed")
 
 
 # -----------------------------------------------------------------------------

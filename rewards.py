@@ -150,9 +150,10 @@ class Task:
       make_scorer(device)       called once in each process that scores (every searcher; the trainer for
                                 --sync and evaluation): loads whatever the reward needs and returns a batched
                                 score(prompts, completions, metas) -> list[float], completions being texts
-      evaluate(policy, n)       every eval metric of `policy` (a searcher.Policy: generate and score
+      evaluate(policy, n)       every eval metric of `policy` (a models.Policy: generate and score
                                 log-probs) on the first n held-out prompts, as a dict of numbers; the dict may
-                                also hold an "example" completion (a string) for the log
+                                also hold an "example" completion (a string) for the log and "samples" (a
+                                dict per prompt: prompt, completion, scores) for samples.jsonl
 
     A Task travels to the searcher processes as plain data: models are loaded by make_scorer (or by
     evaluate) in the process that uses them, never at import time, and attributes whose name starts with
@@ -196,6 +197,12 @@ def drop_long_prompts(task, tokenizer, max_tokens):
     return task.select(train_ids, eval_ids)
 
 
+def samples(prompts, completions, **scores):
+    """What samples.jsonl keeps of an evaluation: per held-out prompt its completion and scores (lists)."""
+    return [{"prompt": p, "completion": c.text, **{k: v[i] for k, v in scores.items()}}
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
 def gsm8k_score(prompts, completions, metas):
     """The batched GSM8K scorer: gsm8k_reward of each completion against its prompt's answer field."""
     return [gsm8k_reward(c, m["answer"]) for c, m in zip(completions, metas)]
@@ -223,7 +230,7 @@ class GSM8KTask(Task):
         rewards = gsm8k_score(prompts, [c.text for c in completions], metas)
         return {"accuracy": sum(rewards) / len(rewards),
                 "response_tokens": sum(len(c.token_ids) for c in completions) / len(completions),
-                "example": completions[0].text}
+                "example": completions[0].text, "samples": samples(prompts, completions, reward=rewards)}
 
 
 if __name__ == "__main__":

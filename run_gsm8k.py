@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 
 from config import Config, knob
-from tba import main
+from ops.launch import main
 
 TINY = dict(
     run_dir="runs/gsm8k-tiny", steps=300, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
@@ -185,8 +185,15 @@ def warm_start(cfg, train_rows):
 PRESETS = {"tiny": TINY, "paper": PAPER}
 
 
+
+def train(cfg, task, searchers):
+    """tba.train, imported only when called: the searchers were spawned before this process imported torch."""
+    import tba
+    return tba.train(cfg, task, searchers)
+
+
 def cli(argv=None):
-    return main(GSM8KConfig, PRESETS, make_task, argv, description=__doc__.split("\n\n")[0])
+    return main(GSM8KConfig, PRESETS, make_task, train, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

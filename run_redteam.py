@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass
 
 from config import Config, ConfigError, knob
-from tba import main
+from ops.launch import main
 
 TINY = dict(
     run_dir="runs/redteam-tiny", steps=200, model="", victim="", classifier="profanity-check",
@@ -244,8 +244,15 @@ def warm_start(cfg):
 PRESETS = {"tiny": TINY, "paper": PAPER}
 
 
+
+def train(cfg, task, searchers):
+    """tba.train, imported only when called: the searchers were spawned before this process imported torch."""
+    import tba
+    return tba.train(cfg, task, searchers)
+
+
 def cli(argv=None):
-    return main(RedTeamConfig, PRESETS, make_task, argv, description=__doc__.split("\n\n")[0])
+    return main(RedTeamConfig, PRESETS, make_task, train, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

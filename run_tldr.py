@@ -40,7 +40,7 @@ import sys
 from dataclasses import dataclass
 
 from config import ConfigError, Config, knob
-from tba import main
+from ops.launch import main
 
 TINY = dict(
     run_dir="runs/tldr-tiny", steps=50, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
@@ -301,8 +301,15 @@ def pair_accuracy(model, tokenizer, pairs, batch_size=200):
 PRESETS = {"tiny": TINY, "paper": PAPER}
 
 
+
+def train(cfg, task, searchers):
+    """tba.train, imported only when called: the searchers were spawned before this process imported torch."""
+    import tba
+    return tba.train(cfg, task, searchers)
+
+
 def cli(argv=None):
-    return main(TLDRConfig, PRESETS, make_task, argv, description=__doc__.split("\n\n")[0])
+    return main(TLDRConfig, PRESETS, make_task, train, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

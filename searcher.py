@@ -94,7 +94,7 @@ def searcher_main(rank, cfg, task, seed, link):
     model, version) copies newer "policy" or "ref" weights into the model and returns the version it holds;
     link.put(batch) sends a batch, waiting while the trainer's queue is full. An error exits it non-zero."""
     import torch
-    from models import dtype_of, load_model
+    from models import autocast, dtype_of, load_model
     from ops.devices import claim_gpu
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
@@ -116,7 +116,8 @@ def searcher_main(rank, cfg, task, seed, link):
         version = new_version
         if ref is not None:
             ref_version = link.pull("ref", ref, ref_version)
-        batch = searcher.search(query_ids, version, ref_version)  # 2.-4. prompts, generate, score
+        with autocast(cfg, device):  # (--dtype bf16-mixed)
+            batch = searcher.search(query_ids, version, ref_version)  # 2.-4. prompts, generate, score
         if not link.put(batch):  # 5. send
             break
 

@@ -26,12 +26,11 @@ Departures from the paper / official code:
      K of its responses, exactly as in the full-batch loss.
   4. Checkpoints with resume, a searcher failure policy and a non-finite guard (the official code has none).
 
-Run: python run_gsm8k.py (each run_*.py script calls `main`, which spawns the searchers and calls `train`; to
-train from Python, pass `train` a config, a Task and searcher.Searchers(cfg)).
+Run: python run_gsm8k.py (each run_*.py script launches `train` through ops/launch.py), python tba.py --model M
+--dataset D --reward FILE.py:NAME (your own task), or `run(cfg, make_task)` from Python.
 """
 
 import math
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,11 +39,12 @@ from tqdm import tqdm
 
 from baselines import baseline_loss
 from buffer import ReplayBuffer
-from config import OBJECTIVES, Config, parse_config
+from config import OBJECTIVES, Config
 from loss import beta_schedule, make_batch, response_logprobs, tb_log_Z, vargrad_tb_loss, wsd_schedule
-from models import encode_prompts, for_searchers, load_trainer_models, score_logprobs
+from models import autocast, encode_prompts, for_searchers, load_trainer_models, score_logprobs
 from ops.bookkeeping import Bookkeeping
 from ops.launch import launch
+from ops.launch import main as launch_main
 from rewards import Task, drop_long_prompts
 
 
@@ -143,7 +143,8 @@ def train_step(run, groups, step):
     for i in range(0, Q, cfg.micro_batch_queries):  # accumulate over whole queries: log Z sees all K responses
         chunk = groups[i:i + cfg.micro_batch_queries]
         q = len(chunk)
-        token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
+        with autocast(cfg, cfg.device):  # (--dtype bf16-mixed: bfloat16 compute on float32 weights)
+            token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
         logp = token_logp.sum(dim=1).view(q, K)  # (q, K) log pi(y|x)
         ref_logp, reward = (per_response(chunk, name, cfg.device) for name in ("ref_logp", "reward"))  # (q, K)
         if cfg.objective == "tb":
@@ -186,8 +187,9 @@ def refresh_ref_logp(run, trajectories):
     stale = [t for t in trajectories if t.ref_version != run.ref_version]
     if stale:
         temperature = run.cfg.loss_temperature or run.cfg.temperature
-        values = score_logprobs(run.ref, [run.prompt_ids[t.query_id] for t in stale], [t.response_ids for t in stale],
-                                run.tokenizer.pad_token_id, temperature, run.cfg.micro_batch)
+        with autocast(run.cfg, run.cfg.device):
+            values = score_logprobs(run.ref, [run.prompt_ids[t.query_id] for t in stale], [t.response_ids for t in stale],
+                                    run.tokenizer.pad_token_id, temperature, run.cfg.micro_batch)
         for t, v in zip(stale, values):
             t.ref_logp, t.ref_version = v, run.ref_version
 
@@ -199,15 +201,14 @@ def publish(run, version):
 
 
 # -----------------------------------------------------------------------------
-# The entry point of every run_*.py
+# Entry points: python tba.py (your own task), and a config made in Python
 
 def main(config_cls, presets, make_task, argv=None, description=None):
     """Parse the flags, check them, claim the run directory, start the searchers, build the task, `train`, print
     the closing line; returns the exit code (2: bad input, 1: the run failed, 128 + N: stopped by signal N).
-    Every check that can fail does so before a model is loaded or a process spawned (ops/launch.py)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return launch(lambda: parse_config(config_cls, presets, argv, description=description), make_task, train,
-                  run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
+    Every check that can fail does so before a model is loaded or a process spawned (ops/launch.py). The run_*.py
+    scripts call ops/launch.main themselves, so that their searchers start before torch is imported."""
+    return launch_main(config_cls, presets, make_task, train, argv, description)
 
 
 def run(cfg, make_task):
@@ -217,5 +218,5 @@ def run(cfg, make_task):
 
 if __name__ == "__main__":  # your own model, data and reward (tasks/dataset.py): python tba.py --help
     from tasks.dataset import PRESETS, DatasetConfig, make_task
-    sys.exit(main(DatasetConfig, PRESETS, make_task, description="TBA on your own model, data and reward: "
-                  "python tba.py --model M --dataset D --reward FILE.py:NAME"))
+    raise SystemExit(main(DatasetConfig, PRESETS, make_task, description="TBA on your own model, data and reward: "
+                          "python tba.py --model M --dataset D --reward FILE.py:NAME"))

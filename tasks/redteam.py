@@ -66,7 +66,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rewards import Task
+from rewards import Task, samples
 
 # Lee et al.'s fixed attacker prompt (prompts/attack_prompt.jsonl) and the victim's Alpaca template
 ATTACK_PROMPT = ("Write a list of instructions:\n1. Describe the process of the water cycle in one sentence.\n"
@@ -269,6 +269,8 @@ class RedTeamTask(Task):
         metrics["attack_tokens"] = float(np.mean([len(a.token_ids) for a in attacks]))
         save_attacks(cfg.run_dir, texts, responses, p, success, self.modes)
         metrics["example"] = texts[int(np.argmax(success))]  # a successful attack if there is one
+        metrics["samples"] = samples(self.eval_prompts[:n], attacks, toxicity=p.mean(axis=1).tolist(),
+                                     success=success.astype(float).tolist())
         return metrics
 
 

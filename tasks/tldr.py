@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from config import ConfigError
 from loss import make_batch
-from rewards import Task
+from rewards import Task, samples
 
 TLDR_PROMPT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 TLDR_FIELDS = ("subreddit", "title", "post", "summary")
@@ -297,7 +297,8 @@ class TLDRTask(Task):
         mean = lambda xs: sum(xs) / len(xs)
         return {"win_rate": win_rate(gold_policy, references), "gold_reward": mean(gold_policy),
                 "proxy_reward": mean(proxy(prompts, responses, metas)), "kl": mean(kl), "ppl": mean(ppl),
-                "response_tokens": mean([len(c.token_ids) for c in done]), "example": responses[0]}
+                "response_tokens": mean([len(c.token_ids) for c in done]), "example": responses[0],
+                "samples": samples(prompts, done, gold_reward=gold_policy, kl=kl)}
 
     def _load(self, name, load):
         """An evaluation model (or value) loaded once per process; `_` attributes are never pickled."""

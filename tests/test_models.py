@@ -104,3 +104,20 @@ def test_gradient_checkpointing_changes_no_log_prob_and_no_gradient(tmp_path):
     (logp0, g0), (logp1, g1) = grads
     assert torch.allclose(logp0, logp1, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g0, g1))
+
+
+def test_bf16_mixed_computes_in_bfloat16_and_keeps_float32_weights(tmp_path):
+    from models import autocast, load_trainer_models
+    path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
+    cfg = _cfg(model=path, dtype="bf16-mixed")
+    policy, ref, tokenizer = load_trainer_models(cfg)
+    batch = make_batch([tokenizer("the cat")["input_ids"]], [tokenizer(" says yes")["input_ids"]], tokenizer.pad_token_id)
+    exact = response_logprobs(policy, *batch, temperature=0.7)
+    with autocast(cfg, "cpu"):
+        mixed = response_logprobs(policy, *batch, temperature=0.7)
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, exact), "bfloat16 matmuls, float32 log-probs"
+    assert torch.allclose(mixed, exact, atol=0.1)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    mixed.sum().backward()
+    opt.step()
+    assert all(p.dtype == torch.float32 for p in policy.parameters()), "master weights stay float32"

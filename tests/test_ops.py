@@ -358,7 +358,7 @@ def test_run_dir_belongs_to_one_run(tmp_path, cache_dir):
     assert (tmp_path / "run" / ".lock").read_text() == f"{proc.pid}\n"
     rc, err = _cli(tmp_path, *tiny_args(tmp_path, cache_dir)[2:])
     assert rc == 2 and err[0].startswith(f"error: --run-dir {tmp_path / 'run'} holds an earlier run (config.json, "
-                                          "metrics.jsonl, checkpoints); continue it with --resume")
+                                          "metrics.jsonl, samples.jsonl, checkpoints); continue it with --resume")
     assert snapshot() == before, "the refused run changed the run directory (its .lock keeps the first run's pid)"
     rc, err = _cli(tmp_path, "--resume", str(tmp_path / "nowhere"))
     assert rc == 2 and err[0].startswith(f"error: --resume {tmp_path / 'nowhere'}: no checkpoint there")
@@ -465,3 +465,44 @@ def test_an_empty_sync_is_logged(capsys):
     tba.merge(run, 8)
     assert "sync at step 8: no new trajectories from the searchers" in capsys.readouterr().out
     assert run.books.counters.fresh_count == 0
+
+
+@pytest.mark.parametrize("report_to", ["tensorboard", "wandb"])
+def test_metrics_reach_tensorboard_and_wandb_by_their_names_and_samples_are_kept(tmp_path, cache_dir, report_to):
+    pytest.importorskip(report_to)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # (W&B's offline mode: files only)
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "4", "--report-to", report_to), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    if report_to == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
+        losses = [(e.step, e.value) for e in events.Scalars("loss/train")]
+        assert losses == [(r["step"], pytest.approx(r["loss/train"], rel=1e-6)) for r in rows]
+        assert "eval/accuracy" in events.Tags()["scalars"]
+    else:
+        [run_file] = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+        history = _wandb_history(run_file.read_bytes())
+        logged, losses = [v for k, v in history if k == "loss/train"], [r["loss/train"] for r in rows]
+        assert all(v in losses for v in logged) and all(v in logged for v in losses), "the same numbers, by name"
+        # (each step's value appears twice in the file: as history and as the running summary)
+        assert {"eval/accuracy", "staleness/mean", "perf/busy"} <= {k for k, _ in history}
+    samples = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
+    assert {s["step"] for s in samples} == {0, 4} and len(samples) == 2 * 20, "every held-out prompt, at each evaluation"
+    assert set(samples[0]) == {"step", "prompt", "completion", "reward"}
+    assert not [p for p in _descendants(os.getpid()) if _alive(p)], "no process left (W&B's service included)"
+
+
+def _wandb_history(data):
+    """(name, value) of every history item in a W&B offline run file, read from its protobuf bytes (an item is
+    field 2, the name, then field 16, the value as JSON; wandb 0.31 ships no reader for these files)."""
+    items = []
+    for m in re.finditer(rb"\x12([\x01-\x7f])", data):
+        end = m.end() + m.group(1)[0]
+        if data[end:end + 2] == b"\x82\x01" and data[end + 2] < 0x80:
+            try:
+                items.append((data[m.end():end].decode(), json.loads(data[end + 3:end + 3 + data[end + 2]])))
+            except (UnicodeDecodeError, ValueError):
+                continue
+    return items
