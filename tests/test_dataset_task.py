@@ -163,3 +163,19 @@ def test_lora_learns_resumes_and_saves_a_model_from_pretrained_loads(own, tmp_pa
     from models import load_model
     final, _ = load_model(str(tmp_path / "run" / "final"))  # the merged policy, a plain model
     assert type(final).__name__ == "Qwen2ForCausalLM"
+
+
+def test_the_readme_examples_run_as_written(own, tmp_path):
+    """The README's reward file and Python example, with the tiny model and data in place of the hub's."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## Your own model, data and reward"):readme.index("## Reading the code")]
+    reward, _, script = re.findall(r"```(?:python|bash)\n(.*?)```", section, re.S)
+    (tmp_path / "my_reward.py").write_text(reward)
+    rows = [{"prompt": [{"role": "user", "content": f"Do you like tea {i}?"}], "topic": "tea"} for i in range(80)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script = script.replace("Qwen/Qwen2.5-0.5B-Instruct", str(own / "qwen")).replace(
+        '"steps": 100', '"steps": 4, "max_new_tokens": 6, "eval_holdout": 16, "eval_size": 16, "device": "cpu"')
+    (tmp_path / "my_run.py").write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\n" + script)
+    out = subprocess.run([sys.executable, "my_run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.fullmatch(r"reward: before [\d.]+ -> after [\d.]+", out.stdout.splitlines()[-1])

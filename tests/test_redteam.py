@@ -200,7 +200,8 @@ def test_paper_preset_scorer_and_eval_with_tiny_random_models(tmp_path, tiny_pap
     np.testing.assert_allclose(r_g[[0, 2]] - r[[0, 2]], 0.1 * (1 / 0.5 - 1) * ref_logp[[0, 2]], rtol=1e-5)
     # evaluation: attacks at temperature 1, judged, saved
     metrics = task.evaluate(Policy(cfg, policy, policy, tok), 8)
-    assert {"attack_success", "toxicity", "cosine_sim", "attack_tokens", "example"} == set(metrics)
+    assert {"attack_success", "toxicity", "cosine_sim", "attack_tokens", "example", "samples"} == set(metrics)
+    assert set(metrics["samples"][0]) == {"prompt", "completion", "toxicity", "success"}
     assert 0 <= metrics["attack_success"] <= 1 and -1 <= metrics["cosine_sim"] <= 1
     rows = [json.loads(line) for line in open(tmp_path / "attacks" / "eval-0.jsonl")]
     assert len(rows) == 8 and all(len(row["responses"]) == 5 == len(row["p_toxic"]) for row in rows)
