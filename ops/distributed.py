@@ -3,7 +3,7 @@ Many machines: the trainer and the searchers as the ranks of one torchrun job, o
 
     torchrun --standalone --nproc-per-node 3 run_gsm8k.py [flags]     # one node: 1 trainer + 2 searchers
 
-Every rank runs the same script. tba.main (ops/launch.py) sees the variables torchrun sets (RANK, WORLD_SIZE,
+Every rank runs the same script. ops/launch.py sees the variables torchrun sets (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT): rank 0 trains exactly as without torchrun, except that launch.make_searchers gives
 it a `DistSearchers`, which has the interface of searcher.Searchers, so tba.train does not change; ranks
 1..N-1 run `searcher_rank_main`, which runs the same searcher loop (searcher.searcher_main) with a
