@@ -145,6 +145,11 @@ class Config:
         ConfigError naming the flag); a task script's config overrides it where it has any."""
 
     @property
+    def score_temperature(self):
+        """The logit temperature of every log-prob the loss reads: --loss-temperature, else --temperature."""
+        return self.loss_temperature or self.temperature
+
+    @property
     def num_queries(self):
         """Q = batch_size / K: queries per training batch."""
         return self.batch_size // self.responses_per_query

@@ -171,9 +171,8 @@ class Policy:
         """Sequence log-probs (at the loss temperature) of completions of prompts under the policy or the reference."""
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         net = self.model if model == "policy" else self.ref
-        T = self.cfg.loss_temperature or self.cfg.temperature
-        return score_logprobs(net, prompt_ids, [c.token_ids for c in completions], self.tokenizer.pad_token_id, T,
-                              self.cfg.micro_batch)
+        return score_logprobs(net, prompt_ids, [c.token_ids for c in completions], self.tokenizer.pad_token_id,
+                              self.cfg.score_temperature, self.cfg.micro_batch)
 
 
 def completions(tokenizer, responses, stop=None):

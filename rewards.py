@@ -197,6 +197,16 @@ def drop_long_prompts(task, tokenizer, max_tokens):
     return task.select(train_ids, eval_ids)
 
 
+def greedy_evaluation(policy, prompts, metas, score, name):
+    """Greedy completions of held-out prompts scored by `score(prompts, texts, metas)`: their mean (as `name`),
+    their mean length, an example and the samples."""
+    completions = policy.generate(prompts, greedy=True)
+    rewards = score(prompts, [c.text for c in completions], metas)
+    return {name: sum(rewards) / len(rewards),
+            "response_tokens": sum(len(c.token_ids) for c in completions) / len(completions),
+            "example": completions[0].text, "samples": samples(prompts, completions, reward=rewards)}
+
+
 def samples(prompts, completions, **scores):
     """What samples.jsonl keeps of an evaluation: per held-out prompt its completion and scores (lists)."""
     return [{"prompt": p, "completion": c.text, **{k: v[i] for k, v in scores.items()}}
@@ -225,12 +235,7 @@ class GSM8KTask(Task):
         return gsm8k_score  # a pure function: nothing to load
 
     def evaluate(self, policy, n):
-        prompts, metas = self.eval_prompts[:n], self.eval_metas[:n]
-        completions = policy.generate(prompts, greedy=True)
-        rewards = gsm8k_score(prompts, [c.text for c in completions], metas)
-        return {"accuracy": sum(rewards) / len(rewards),
-                "response_tokens": sum(len(c.token_ids) for c in completions) / len(completions),
-                "example": completions[0].text, "samples": samples(prompts, completions, reward=rewards)}
+        return greedy_evaluation(policy, self.eval_prompts[:n], self.eval_metas[:n], gsm8k_score, "accuracy")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ class Searcher:
         if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
             rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
         prompts, pad = [self.prompt_ids[q] for q in qids], self.tokenizer.pad_token_id
-        temperature = cfg.loss_temperature or cfg.temperature
+        temperature = cfg.score_temperature  # (the loss's, not the sampling temperature of this batch)
         behavior = (score_logprobs(self.policy, prompts, responses, pad, temperature, cfg.micro_batch, per_token=True)
                     if self.policy is not None else [()] * len(qids))
         ref_logp = (score_logprobs(self.ref, prompts, responses, pad, temperature, cfg.micro_batch)

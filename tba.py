@@ -173,8 +173,7 @@ def policy_logprobs(run, groups):
     """log pi of every response token of the groups' trajectories, with grad: (N, R), 0 at padding."""
     flat = [t for g in groups for t in g]
     batch = make_batch([run.prompt_ids[t.query_id] for t in flat], [t.response_ids for t in flat], run.tokenizer.pad_token_id)
-    temperature = run.cfg.loss_temperature or run.cfg.temperature
-    return response_logprobs(run.policy, *(b.to(run.cfg.device) for b in batch), temperature)
+    return response_logprobs(run.policy, *(b.to(run.cfg.device) for b in batch), run.cfg.score_temperature)
 
 
 def per_response(groups, name, device):
@@ -186,10 +185,9 @@ def refresh_ref_logp(run, trajectories):
     """Compute log pi_ref for trajectories scored by another reference (or by none); cache it on them."""
     stale = [t for t in trajectories if t.ref_version != run.ref_version]
     if stale:
-        temperature = run.cfg.loss_temperature or run.cfg.temperature
         with autocast(run.cfg, run.cfg.device):
             values = score_logprobs(run.ref, [run.prompt_ids[t.query_id] for t in stale], [t.response_ids for t in stale],
-                                    run.tokenizer.pad_token_id, temperature, run.cfg.micro_batch)
+                                    run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch)
         for t, v in zip(stale, values):
             t.ref_logp, t.ref_version = v, run.ref_version
 

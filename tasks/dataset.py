@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 
 from config import Config, ConfigError, RunError, knob
-from rewards import Task, samples
+from rewards import Task, greedy_evaluation
 
 DEFAULTS = dict(  # one machine, a small model; every field is printed in the resolved config
     run_dir="runs/own", steps=200, batch_size=64, responses_per_query=8, samples_per_prompt=8, micro_batch_queries=8,
@@ -107,12 +107,7 @@ class DatasetTask(Task):
     def evaluate(self, policy, n):
         if getattr(self, "_scorer", None) is None:
             self._scorer = self.make_scorer()  # (never pickled: attributes starting with _ stay here)
-        prompts, metas = self.eval_prompts[:n], self.eval_metas[:n]
-        completions = policy.generate(prompts, greedy=True)
-        rewards = self._scorer(prompts, [c.text for c in completions], metas)
-        return {"reward": sum(rewards) / len(rewards),
-                "response_tokens": sum(len(c.token_ids) for c in completions) / len(completions),
-                "example": completions[0].text, "samples": samples(prompts, completions, reward=rewards)}
+        return greedy_evaluation(policy, self.eval_prompts[:n], self.eval_metas[:n], self._scorer, "reward")
 
 
 class RewardScorer:
