@@ -4,7 +4,9 @@ The BASELINES TBA is compared against, run in the same system so that a comparis
     objectives   RLOO, GRPO, Dr. GRPO (as Hugging Face TRL defines them, read from TRL 1.10.0.dev0, July
                  2026) and Online DPO (the paper's strongest asynchronous baseline), trained on the same
                  searchers' data; the behaviour policy of a ratio objective is the searcher's stale copy
-                 that sampled y. `--objective rloo|grpo|dr_grpo|online_dpo`.
+                 that sampled y. `--objective rloo|grpo|dr_grpo|online_dpo`; `--clip-eps` sets the ratio
+                 clip (TRL's 0.2), `--no-ratio-clip` removes it (an ablation); each step logs the fraction
+                 of ratios clipped (`clipped_fraction`).
     identity     on-policy, TB's gradient is exactly 2 (K - 1) / (beta K) times RLOO's with the KL term in
                  the reward (`tb_rloo_gradient_ratio`): under Adam, "TB vs RLOO" compares how each handles
                  the KL term, clipping and stale data, not two different learning signals.
@@ -16,6 +18,8 @@ The trainer (tba.train_step) calls the TB loss itself and hands over to `baselin
 
 Run: python run_gsm8k.py --objective rloo     (or --sync; python -m bench compares them)
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +42,17 @@ def rloo_loss(logp, behavior_logp, ref_logp, reward, beta, eps=0.2):
     On-policy (rho = 1) its gradient is exactly beta K / (2 (K - 1)) times TB's: see `tb_rloo_gradient_ratio`.
     All arguments (Q, K); TRL's defaults: beta 0.05, eps 0.2, no advantage normalisation.
     """
-    K = logp.shape[1]
-    assert K > 1, "RLOO needs K >= 2 responses per query"
-    R = reward - beta * (behavior_logp - ref_logp)  # (Q, K)
-    A = R - (R.sum(dim=1, keepdim=True) - R) / (K - 1)  # (Q, K)
+    A = rloo_advantage(behavior_logp, ref_logp, reward, beta)  # (Q, K)
     rho = torch.exp(logp - behavior_logp)  # (Q, K)
     return -torch.minimum(rho * A, rho.clamp(1 - eps, 1 + eps) * A).mean()
+
+
+def rloo_advantage(behavior_logp, ref_logp, reward, beta):
+    """RLOO's A_k = R_k - mean_{j != k} R_j with the KL-shaped reward R = r - beta (behavior_logp - ref_logp)."""
+    K = reward.shape[1]
+    assert K > 1, "RLOO needs K >= 2 responses per query"
+    R = reward - beta * (behavior_logp - ref_logp)  # (Q, K)
+    return R - (R.sum(dim=1, keepdim=True) - R) / (K - 1)
 
 
 def tb_rloo_gradient_ratio(K, beta):
@@ -92,6 +101,15 @@ def dr_grpo_loss(token_logp, behavior_token_logp, mask, reward, max_tokens, eps=
                      max_tokens=max_tokens)
 
 
+def clipped_fraction(rho, A, eps, mask=None):
+    """The fraction of ratios (sequences for RLOO, tokens for GRPO) whose clipped term is the active one in
+    min(rho A, clip(rho) A), i.e. that get no gradient: rho > 1 + eps with A > 0, or rho < 1 - eps with A < 0."""
+    clipped = (((rho > 1 + eps) & (A > 0)) | ((rho < 1 - eps) & (A < 0))).float()
+    if mask is None:
+        return clipped.mean().item()
+    return ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
 def online_dpo_loss(logp, ref_logp, reward, beta):
     """
     Online DPO (Guo et al. 2024; TRL's OnlineDPOTrainer, sigmoid loss) on the best and the worst of each
@@ -110,8 +128,9 @@ def online_dpo_loss(logp, ref_logp, reward, beta):
 
 def baseline_loss(cfg, groups, token_logp, beta):
     """The loss of comparison objective cfg.objective on q groups of K trajectories, token_logp being the
-    policy's log-probs of their response tokens (q K, R) with grad. Behaviour log-probs come from the
-    searchers (on-policy under --sync: the ratios are 1)."""
+    policy's log-probs of their response tokens (q K, R) with grad, and the fraction of its ratios clipped
+    (NaN for an objective without ratios). Behaviour log-probs come from the searchers (on-policy under
+    --sync: the ratios are 1). --clip-eps sets eps; --no-ratio-clip makes it infinite (no clip)."""
     q, K, R = len(groups), len(groups[0]), token_logp.shape[1]
     flat, device = [t for g in groups for t in g], token_logp.device
     grid = lambda values: torch.tensor(values, dtype=torch.float32, device=device).view(q, K)  # (q, K)
@@ -120,18 +139,24 @@ def baseline_loss(cfg, groups, token_logp, beta):
     token_logp = token_logp.view(q, K, R)
     logp, mask = token_logp.sum(dim=2), padded([[1.0] * len(t.response_ids) for t in flat])  # (q, K), (q, K, R)
     ref_logp, reward = grid([t.ref_logp for t in flat]), grid([t.reward for t in flat])
+    if cfg.objective == "online_dpo":
+        return online_dpo_loss(logp, ref_logp, reward, beta), math.nan
     if cfg.sync:  # the policy that sampled the batch is the current one
         behavior_logp, behavior_token_logp = logp.detach(), token_logp.detach()
     else:
         behavior_logp, behavior_token_logp = grid([t.behavior_logp for t in flat]), padded([t.behavior_token_logp for t in flat])
+    eps = cfg.clip_eps if cfg.ratio_clip else math.inf
     if cfg.objective == "rloo":
-        return rloo_loss(logp, behavior_logp, ref_logp, reward, beta)
+        A = rloo_advantage(behavior_logp, ref_logp, reward, beta)
+        return (rloo_loss(logp, behavior_logp, ref_logp, reward, beta, eps),
+                clipped_fraction(torch.exp(logp.detach() - behavior_logp), A, eps))
+    A = reward - reward.mean(dim=1, keepdim=True)  # (the sign of GRPO's advantage: all the clip fraction needs)
+    rho = torch.exp(token_logp.detach() - behavior_token_logp)
+    clipped = clipped_fraction(rho, A.unsqueeze(-1), eps, mask)
     if cfg.objective == "grpo":
-        return grpo_loss(token_logp, behavior_token_logp, mask, reward)
+        return grpo_loss(token_logp, behavior_token_logp, mask, reward, eps), clipped
     if cfg.objective == "dr_grpo":
-        return dr_grpo_loss(token_logp, behavior_token_logp, mask, reward, cfg.max_new_tokens)
-    if cfg.objective == "online_dpo":
-        return online_dpo_loss(logp, ref_logp, reward, beta)
+        return dr_grpo_loss(token_logp, behavior_token_logp, mask, reward, cfg.max_new_tokens, eps), clipped
     raise ValueError(f"unknown baseline objective {cfg.objective!r}")
 
 

@@ -27,8 +27,9 @@ LAUNCHED = time.time()  # when the run script started: it imports this module fi
 
 # objective -> the log-probs it reads besides log pi (searchers compute only these). TB is loss.py's; the
 # others are the comparison baselines of baselines.py.
-OBJECTIVES = {"tb": ("ref_logp",), "rloo": ("ref_logp", "behavior_logp"), "grpo": ("behavior_logp",),
-              "dr_grpo": ("behavior_logp",), "online_dpo": ("ref_logp",)}
+# (Every trajectory carries its sequence behaviour log-prob, for the off-policy metrics; per token only if read.)
+OBJECTIVES = {"tb": ("ref_logp",), "rloo": ("ref_logp", "behavior_logp"), "grpo": ("behavior_token_logp",),
+              "dr_grpo": ("behavior_token_logp",), "online_dpo": ("ref_logp",)}
 # --help sections, in the order they are listed: the paper's knobs first, the infrastructure last
 SECTIONS = ("TBA (the paper's knobs)", "model and sampling", "trainer", "evaluation and logging", "task", "run",
             "devices and processes", "failures and resume")
@@ -72,6 +73,8 @@ class Config:
     lr_decay: str = tba_("cosine", "shape of the learning-rate decay: cosine (transformers' get_wsd_schedule) | linear")
     lr_floor: float = tba_(0.0, "final learning rate as a fraction of the peak")
     objective: str = tba_("tb", f"training objective: {' | '.join(OBJECTIVES)} (all but tb: baselines.py)")
+    dedup: bool = tba_(True, "a response identical to one stored for the same query replaces it (--no-dedup: "
+                             "keep every copy, an ablation)")
     # model and sampling
     model: str = model_("", "policy initialisation: HF hub name or local directory")
     ref_model: str = model_("", "reference policy (empty: same as --model)")
@@ -97,6 +100,13 @@ class Config:
     micro_batch: int = trainer_(64, "rows per no-grad scoring forward (reference log-probs)")
     weight_decay: float = trainer_(0.0, "AdamW weight decay")
     grad_clip: float = trainer_(0.0, "gradient-norm clipping threshold (0: no clipping, as in the official code)")
+    clip_eps: float = trainer_(0.2, "importance ratios are clipped to [1 - eps, 1 + eps] (RLOO, GRPO, "
+                                    "--tb-trust-region); also the band of the off-policy metrics")
+    ratio_clip: bool = trainer_(True, "clip the importance ratios of RLOO and GRPO (--no-ratio-clip: plain "
+                                      "importance weighting, an ablation)")
+    tb_trust_region: bool = trainer_(False, "TB with a trust region, our departure (loss.py): a response's residual "
+                                            "is masked once its ratio pi/mu has left [1 - eps, 1 + eps] the way "
+                                            "the residual pushes it")
     # evaluation and logging
     eval_every: int = eval_(100, "evaluate the policy every this many steps (0: at the start and the end only)")
     eval_size: int = eval_(0, "held-out prompts per evaluation (0: all)")
@@ -148,6 +158,11 @@ class Config:
     def score_temperature(self):
         """The logit temperature of every log-prob the loss reads: --loss-temperature, else --temperature."""
         return self.loss_temperature or self.temperature
+
+    @property
+    def needs(self):
+        """The log-probs the objective reads besides log pi (of OBJECTIVES' names; --tb-trust-region adds mu's)."""
+        return OBJECTIVES[self.objective] + (("behavior_logp",) if self.tb_trust_region else ())
 
     @property
     def num_queries(self):
@@ -209,6 +224,8 @@ def validate(cfg):
     check(0.0 <= cfg.lr_floor <= 1.0, "lr_floor", "must be in [0, 1]")
     check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
     check(cfg.objective == "tb" or cfg.responses_per_query >= 2, "responses_per_query", f"must be >= 2 for {cfg.objective}")
+    check(not cfg.tb_trust_region or cfg.objective == "tb", "tb_trust_region", f"is a TB variant, not {cfg.objective}'s")
+    check(math.isfinite(cfg.clip_eps) and 0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
     check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")
     check(cfg.report_to in ("none", "tensorboard", "wandb"), "report_to", "must be none, tensorboard or wandb")
     check(cfg.lr_decay in ("cosine", "linear"), "lr_decay", "must be cosine or linear")

@@ -30,6 +30,8 @@ Departures from the paper / official code:
   3. As in the official code, logits are divided by the sampling temperature before the log-softmax for
      both the policy and the reference (`temperature` argument, default = the sampling temperature
      chosen by the caller). Set it to 1.0 to score under the raw model instead.
+  4. `tb_trust_region_loss` (--tb-trust-region) is ours: TB with PPO's clip, a diagnostic of whether TB
+     trails the clipped baselines off-policy for want of a trust region (docs/results.md).
 
 The comparison objectives (RLOO, GRPO, Dr. GRPO, Online DPO) live in baselines.py. This file imports nothing
 from the project: copy it alone.
@@ -58,6 +60,42 @@ def vargrad_tb_loss(logp, ref_logp, reward, beta):
 def tb_log_Z(logp, ref_logp, reward, beta):
     """The per-query VarGrad log Z estimate (Q,), for logging."""
     return (reward / beta - (logp - ref_logp)).mean(dim=1).detach()
+
+
+def tb_trust_region_loss(logp, ref_logp, reward, beta, behavior_logp, eps):
+    """
+    Departure 4 (ours, not the paper's): the VarGrad TB loss with a trust region around the behaviour policy
+    mu that sampled each response. dL/dlogp_k = 2 delta_k / (Q K) with the residual delta_k = log_Z + kl_k -
+    r_k / beta, so a descent step moves logp_k against delta_k's sign; once the ratio pi/mu has left
+    [1 - eps, 1 + eps] in that direction, the response's residual is masked (PPO's clip, for TB).
+    Returns (loss, fraction of responses masked). (Q, K) inputs; behavior_logp = log mu(y_k|x).
+    """
+    kl = logp - ref_logp
+    log_Z = (reward / beta - kl).mean(dim=1, keepdim=True).detach()  # (Q, 1) over all K, as Eq. 5
+    delta = log_Z + kl - reward / beta  # (Q, K)
+    log_ratio = (logp - behavior_logp).detach()
+    masked = ((delta > 0) & (log_ratio < math.log(1 - eps))) | ((delta < 0) & (log_ratio > math.log(1 + eps)))
+    return (delta.pow(2) * (~masked)).mean(), masked.float().mean().item()
+
+
+# -----------------------------------------------------------------------------
+# How off-policy a batch is (every objective)
+
+def offpolicy_metrics(logp, behavior_logp, eps):
+    """
+    The drift between the trainer's policy pi and the behaviour policy mu that sampled each response, from
+    sequence log-probs: mean and 90th percentile of |log pi(y|x) - log mu(y|x)|, and the fraction of ratios
+    pi/mu outside [1 - eps, 1 + eps]. All 0 on-policy. Responses without a behaviour log-prob (NaN) are
+    left out; none: NaN. logp, behavior_logp: (Q, K) or flat, detached.
+    """
+    known = ~torch.isnan(behavior_logp)
+    if not known.any():
+        return {"offpolicy/drift": math.nan, "offpolicy/drift_p90": math.nan, "offpolicy/ratio_out": math.nan}
+    log_ratio = (logp - behavior_logp)[known].double()
+    drift = log_ratio.abs()
+    out = (log_ratio < math.log(1 - eps)) | (log_ratio > math.log(1 + eps))
+    return {"offpolicy/drift": drift.mean().item(), "offpolicy/drift_p90": torch.quantile(drift, 0.9).item(),
+            "offpolicy/ratio_out": out.double().mean().item()}
 
 
 # -----------------------------------------------------------------------------

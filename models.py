@@ -8,7 +8,10 @@ searchers (searcher.py) and the tasks' evaluations (rewards.py, tasks/).
     HFGenerator                       transformers `generate` with a KV cache: n responses per prompt, cut at
                                       the first stop id; the searchers' default backend (ops/vllm_backend.py
                                       has the same interface: generate(prompt_ids, n, temperature, greedy),
-                                      load_state_dict(tensors), stop_ids)
+                                      sample(prompt_ids, n, temperature, score_temperature),
+                                      load_state_dict(tensors), stop_ids); `sample` also returns each
+                                      response token's log-prob as generation computed it (the behaviour
+                                      log-probs, at no extra forward)
     stop_ids(model, tokenizer)        every id that ends a response: the tokenizer's EOS and the model's
                                       generation-config EOS ids (a chat model ends its turn with another id)
     score_logprobs(model, ...)        no-grad log pi(y|x) of (prompt, response) pairs, a micro-batch at a time
@@ -100,16 +103,51 @@ class HFGenerator:
         self.model.load_state_dict(tensors)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, n, temperature, greedy=False):
-        """n responses per prompt (prompt-major order), each a list of ids ending in a stop id unless truncated."""
+    def generate(self, prompt_ids, n, temperature, greedy=False, recorder=None):
+        """n responses per prompt (prompt-major order), each a list of ids ending in a stop id unless truncated;
+        a `recorder` (TokenLogprobs) sees every step's logits."""
         rows = [p for p in prompt_ids for _ in range(n)]
         input_ids, attention_mask, _ = make_batch(rows, [[]] * len(rows), self.tokenizer.pad_token_id)
         device = self.model.device
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        processors = None
+        if recorder is not None:
+            from transformers import LogitsProcessorList
+            processors = LogitsProcessorList([recorder])
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                   max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=list(self.stop_ids), **sampling)
-        return [cut_at_eos(row, self.stop_ids) for row in out[:, input_ids.shape[1]:].tolist()]
+                                  eos_token_id=list(self.stop_ids), logits_processor=processors, **sampling)
+        out = out[:, input_ids.shape[1]:]
+        if recorder is not None:
+            recorder.finish(out)
+        return [cut_at_eos(row, self.stop_ids) for row in out.tolist()]
+
+    def sample(self, prompt_ids, n, temperature, score_temperature):
+        """`generate`, and each response token's log-prob at `score_temperature` as generation computed it
+        (no second forward): (responses, a tuple of per-token log-probs per response)."""
+        recorder = TokenLogprobs(score_temperature)
+        responses = self.generate(prompt_ids, n, temperature, recorder=recorder)
+        return responses, [tuple(row[:len(r)]) for row, r in zip(recorder.token_logp, responses)]
+
+
+class TokenLogprobs:
+    """A logits processor that records log softmax(logits / T) of each generated token. transformers runs it
+    on the model's logits before the sampling temperature is applied; the token chosen at one step is read
+    from the next step's input ids (and the last one from the output, by `finish`)."""
+
+    def __init__(self, temperature):
+        self.temperature, self.steps, self.last = temperature, [], None
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, generated):
+        """`generated`: (N, T) the new tokens; sets token_logp, (N, T) as nested lists."""
+        self.steps.append(self.last.gather(1, generated[:, -1:].to(self.last.device)))
+        self.token_logp, self.last = torch.cat(self.steps, dim=1).cpu().tolist(), None
 
 
 def stop_ids(model, tokenizer):

@@ -11,7 +11,7 @@ A searcher process (`searcher_process` -> `searcher_main`) loops until told to s
     4. score them with the task's scorer (loaded once in this process by `task.make_scorer`), and compute
        what the objective needs and is cheaper here than on the trainer: the reference log-prob (tagged with
        the reference version it came from, so the trainer can recompute it if the reference has since
-       moved) and, for importance-ratio objectives only, the behaviour log-prob;
+       moved); the behaviour log-prob log mu(y|x) comes with generation (no second forward);
     5. put the batch of `Trajectory`s (each with the policy version that generated it) on its queue.
 
 The trainer (tba.py) talks to one `Searchers` object:
@@ -54,7 +54,7 @@ import time
 from tqdm import tqdm
 
 from buffer import Trajectory
-from config import OBJECTIVES, RunError
+from config import RunError
 
 
 class SearcherDied(RunError):
@@ -100,12 +100,12 @@ def searcher_main(rank, cfg, task, seed, link):
     torch.manual_seed(seed)
     device = claim_gpu(cfg, cfg.searcher_devices[rank])  # (vLLM takes the first visible GPU: mask the others)
     policy, tokenizer = load_model(cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)
-    needs = OBJECTIVES[cfg.objective]
+    needs = cfg.needs
     ref = (load_model(cfg.ref_model or cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)[0]
            if "ref_logp" in needs else None)
     generator = make_generator(cfg, policy, tokenizer, seed, device)
     searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
-                        policy=policy if "behavior_logp" in needs else None, ref=ref)
+                        policy=policy if {"behavior_logp", "behavior_token_logp"} & set(needs) else None, ref=ref)
     version = ref_version = -1
     for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
         if not link.alive():
@@ -152,7 +152,8 @@ class Searcher:
         cfg, S = self.cfg, self.cfg.samples_per_prompt
         for q, ids in zip(query_ids, encode_prompts(self.tokenizer, [self.task.prompts[q] for q in query_ids])):
             self.prompt_ids[q] = ids
-        responses = self.generator.generate([self.prompt_ids[q] for q in query_ids], S, self.temperature())
+        responses, behavior = self.generator.sample([self.prompt_ids[q] for q in query_ids], S, self.temperature(),
+                                                    cfg.score_temperature)  # behaviour log-probs: no extra forward
         qids = [q for q in query_ids for _ in range(S)]
         done = completions(self.tokenizer, responses, self.generator.stop_ids)
         rewards = self.scorer([self.task.prompts[q] for q in qids], [c.text for c in done],
@@ -161,14 +162,15 @@ class Searcher:
             rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
         prompts, pad = [self.prompt_ids[q] for q in qids], self.tokenizer.pad_token_id
         temperature = cfg.score_temperature  # (the loss's, not the sampling temperature of this batch)
-        behavior = (score_logprobs(self.policy, prompts, responses, pad, temperature, cfg.micro_batch, per_token=True)
-                    if self.policy is not None else [()] * len(qids))
+        if behavior is None:  # (vLLM at a loss temperature other than the sampling one) a forward, if needed
+            behavior = [()] * len(qids) if self.policy is None else score_logprobs(
+                self.policy, prompts, responses, pad, temperature, cfg.micro_batch, per_token=True)
         ref_logp = (score_logprobs(self.ref, prompts, responses, pad, temperature, cfg.micro_batch)
                     if self.ref is not None else [math.nan] * len(qids))
         ref_version = ref_version if self.ref is not None else -1
         return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
-                           behavior_logp=math.fsum(b) if b else math.nan, behavior_token_logp=b, ref_logp=float(lr),
-                           ref_version=ref_version)
+                           behavior_logp=math.fsum(b) if b else math.nan, ref_logp=float(lr), ref_version=ref_version,
+                           behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (memory: GRPO only)
                 for q, r, rw, b, lr in zip(qids, responses, rewards, behavior, ref_logp)]
 
 

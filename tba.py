@@ -9,7 +9,8 @@ TBA: Trajectory Balance with Asynchrony (Bartoldson et al., NeurIPS 2025, arXiv 
     loss    sequence log-probs log pi(y|x) under the policy (with grad) -> the VarGrad trajectory-balance
             loss (loss.py, Eq. 4-5); a comparison objective (baselines.py) is one hand-over line
     step    AdamW on the loss; warmup-stable-decay learning rate; linear beta schedule
-    log     one line, and one JSON record per step in metrics.jsonl
+    log     one line, and one JSON record per step in metrics.jsonl, with how off-policy the batch was
+            (the drift |log pi - log mu| from the sampling policy mu, for every objective; loss.py)
     sync    every k steps, publish the weights to the searchers
 What a run does besides TBA (stop signals, dead searchers, checkpoints and resume, evaluation, the non-finite
 guard, metrics files) is one named call per step into ops/bookkeeping.py, so the loop reads as the paper's.
@@ -39,8 +40,9 @@ from tqdm import tqdm
 
 from baselines import baseline_loss
 from buffer import ReplayBuffer
-from config import OBJECTIVES, Config
-from loss import beta_schedule, make_batch, response_logprobs, tb_log_Z, vargrad_tb_loss, wsd_schedule
+from config import Config
+from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, tb_log_Z, tb_trust_region_loss,
+                  vargrad_tb_loss, wsd_schedule)
 from models import autocast, encode_prompts, for_searchers, load_trainer_models, score_logprobs
 from ops.bookkeeping import Bookkeeping
 from ops.launch import launch
@@ -102,8 +104,8 @@ def setup(cfg, task, searchers):
     trained = [p for p in policy.parameters() if p.requires_grad]  # (with --lora-rank: the adapters)
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lr_at = wsd_schedule(opt, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
-    run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_query, cfg.seed), searchers,
-              encode_prompts(tokenizer, task.prompts))
+    run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_query, cfg.seed, cfg.dedup),
+              searchers, encode_prompts(tokenizer, task.prompts))
     run.books = Bookkeeping(run)
     searchers_state = run.books.restore() if cfg.resume else None  # sets run.start, ref_version, before
     searchers.start(cfg, task, for_searchers(policy), ref, tokenizer, run.start, run.ref_version)
@@ -136,9 +138,9 @@ def train_step(run, groups, step):
     lr = cfg.lr * run.lr_at(step)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    if "ref_logp" in OBJECTIVES[cfg.objective]:  # (GRPO has no KL term)
+    if "ref_logp" in cfg.needs:  # (GRPO has no KL term)
         refresh_ref_logp(run, [t for g in groups for t in g])
-    loss_sum, logps = 0.0, []
+    loss_sum, logps, clipped = 0.0, [], []
     run.policy.train(cfg.gradient_checkpointing)  # (transformers checkpoints in train mode only; dropout is off)
     for i in range(0, Q, cfg.micro_batch_queries):  # accumulate over whole queries: log Z sees all K responses
         chunk = groups[i:i + cfg.micro_batch_queries]
@@ -146,14 +148,17 @@ def train_step(run, groups, step):
         with autocast(cfg, cfg.device):  # (--dtype bf16-mixed: bfloat16 compute on float32 weights)
             token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
         logp = token_logp.sum(dim=1).view(q, K)  # (q, K) log pi(y|x)
-        ref_logp, reward = (per_response(chunk, name, cfg.device) for name in ("ref_logp", "reward"))  # (q, K)
-        if cfg.objective == "tb":
-            loss = vargrad_tb_loss(logp, ref_logp, reward, beta)  # Eq. 4-5
+        ref_logp, reward, mu = (per_response(chunk, name, cfg.device) for name in ("ref_logp", "reward", "behavior_logp"))
+        if cfg.objective == "tb" and not cfg.tb_trust_region:
+            loss, clip = vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan  # Eq. 4-5
+        elif cfg.objective == "tb":  # (our trust-region variant, an ablation; loss.py)
+            loss, clip = tb_trust_region_loss(logp, ref_logp, reward, beta, mu, cfg.clip_eps)
         else:  # a comparison objective: RLOO, GRPO, Dr. GRPO, Online DPO (baselines.py)
-            loss = baseline_loss(cfg, chunk, token_logp, beta)
+            loss, clip = baseline_loss(cfg, chunk, token_logp, beta)
         (loss * q / Q).backward()
         loss_sum += loss.item() * q / Q
         logps.append(logp.detach().cpu())
+        clipped.append(clip * q / Q)
     run.policy.eval()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), cfg.grad_clip or math.inf).item()  # (0: measure)
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
@@ -161,12 +166,13 @@ def train_step(run, groups, step):
         run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     logp = torch.cat(logps)  # (Q, K)
-    ref_logp, reward = (per_response(groups, name, "cpu") for name in ("ref_logp", "reward"))  # (Q, K)
+    ref_logp, reward, mu = (per_response(groups, name, "cpu") for name in ("ref_logp", "reward", "behavior_logp"))
     log_Z = tb_log_Z(logp, ref_logp, reward, beta)  # (Q,)
     return {"loss/train": loss_sum, "loss/log_Z": log_Z.mean().item(), "loss/log_Z_std": log_Z.std().item() if Q > 1 else 0.0,
             "loss/kl": (logp - ref_logp).mean().item(), "grad/norm": grad_norm, "grad/skipped": int(not finite),
-            "reward/batch": reward.mean().item(), "sched/beta": beta, "sched/lr": lr,
-            "response/tokens": float(np.mean([len(t.response_ids) for g in groups for t in g]))}
+            "grad/clipped": int(bool(cfg.grad_clip) and grad_norm > cfg.grad_clip), "offpolicy/clip_frac": sum(clipped),
+            **offpolicy_metrics(logp, mu, cfg.clip_eps), "reward/batch": reward.mean().item(), "sched/beta": beta,
+            "sched/lr": lr, "response/tokens": float(np.mean([len(t.response_ids) for g in groups for t in g]))}
 
 
 def policy_logprobs(run, groups):

@@ -20,7 +20,8 @@ import torch
 
 from baselines import rloo_loss, tb_rloo_gradient_ratio
 from buffer import ReplayBuffer, Trajectory
-from loss import beta_schedule, make_batch, sequence_logprobs, vargrad_tb_loss, wsd_schedule
+from loss import (beta_schedule, make_batch, offpolicy_metrics, sequence_logprobs, tb_trust_region_loss, vargrad_tb_loss,
+                  wsd_schedule)
 from rewards import GSM8KTask, extract_answer, gold_answer, gsm8k_reward, load_gsm8k
 from tests.helpers import GSM8K_DIR, _bpe_tokenizer, read_metrics, tiny_args
 
@@ -66,6 +67,39 @@ def test_vargrad_gradient_matches_appendix_a():
     r, kl = reward.numpy(), (logp - ref_logp).detach().numpy()
     A = (r - r.mean(axis=1, keepdims=True)) - beta * (kl - kl.mean(axis=1, keepdims=True))
     np.testing.assert_allclose(logp.grad.numpy(), -(2 / beta) * A / (Q * K), rtol=1e-10, atol=1e-12)
+
+
+@quick
+def test_offpolicy_metrics_on_a_hand_built_batch():
+    mu = torch.tensor([[-3.0, -5.0], [-2.0, -7.0]])
+    on = offpolicy_metrics(mu.clone(), mu, eps=0.2)
+    assert on == {"offpolicy/drift": 0.0, "offpolicy/drift_p90": 0.0, "offpolicy/ratio_out": 0.0}, "on-policy: no drift"
+    shift = torch.tensor([[0.1, -0.3], [0.0, 0.5]])  # log pi - log mu; the band is [log 0.8, log 1.2] = [-0.223, 0.182]
+    off = offpolicy_metrics(mu + shift, mu, eps=0.2)
+    assert off["offpolicy/drift"] == pytest.approx(0.225, abs=1e-6)  # (0.1 + 0.3 + 0 + 0.5) / 4
+    assert off["offpolicy/drift_p90"] == pytest.approx(0.44, abs=1e-6)  # linear interpolation: 0.3 + 0.7 * 0.2
+    assert off["offpolicy/ratio_out"] == 0.5, "-0.3 and +0.5 are outside"
+    unknown = offpolicy_metrics(mu + shift, torch.tensor([[math.nan, -5.0], [-2.0, math.nan]]), eps=0.2)
+    assert unknown["offpolicy/drift"] == pytest.approx(0.15, abs=1e-6), "responses without mu are left out"
+    assert math.isnan(offpolicy_metrics(mu, torch.full_like(mu, math.nan), 0.2)["offpolicy/drift"])
+
+
+@quick
+def test_tb_trust_region_masks_a_residual_once_its_ratio_left_the_band():
+    mu = torch.full((1, 4), -2.0)
+    ref_logp, reward, beta = mu.clone(), torch.tensor([[1.0, 0.0, 0.0, 1.0]]), 0.5
+    loss, masked = tb_trust_region_loss(mu.clone(), ref_logp, reward, beta, mu, eps=0.2)
+    assert loss.item() == pytest.approx(vargrad_tb_loss(mu, ref_logp, reward, beta).item()) and masked == 0.0
+    logp = (mu + torch.tensor([[0.5, 0.5, -0.5, 0.0]])).requires_grad_()  # ratios e^0.5, e^0.5, e^-0.5, 1
+    kl = logp.detach() - ref_logp
+    delta = (reward / beta - kl).mean() + kl - reward / beta  # log_Z + kl - r / beta = [-0.625, 1.375, 0.375, -1.125]
+    assert delta[0].tolist() == pytest.approx([-0.625, 1.375, 0.375, -1.125])
+    loss, masked = tb_trust_region_loss(logp, ref_logp, reward, beta, mu, eps=0.2)
+    loss.backward()
+    # descent moves logp against delta: 0 is pushed up with its ratio above 1.2 -> masked; 1 is above but
+    # pushed down -> kept; 2 is pushed down with its ratio below 0.8 -> masked; 3 is on-policy -> kept
+    assert masked == 0.5 and logp.grad[0, 0] == 0 and logp.grad[0, 2] == 0
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 2 * 1.375 / 4, 0.0, 2 * -1.125 / 4])
 
 
 @quick
@@ -191,6 +225,20 @@ def test_buffer_dedup_keeps_newest():
     assert held[(1, 2)].policy_version == 5 and held[(1, 2)].reward == 1.0
     buf.add([traj(0, [1, 2], version=3)])  # a late copy from older weights does not replace the newer one
     assert {t.response_ids: t.policy_version for t in buf.items[0].values()}[(1, 2)] == 5
+
+
+@quick
+def test_buffer_without_dedup_keeps_every_copy_and_resumes_exactly():
+    buf = ReplayBuffer(capacity_per_query=3, seed=0, dedup=False)
+    buf.add([traj(0, [1, 2], version=0), traj(0, [1, 2], version=0)])
+    buf.add([traj(0, [1, 2], version=1), traj(0, [7], version=1), traj(1, [7], version=1)])
+    assert len(buf) == 4 and [t.policy_version for t in buf.items[0].values()] == [0, 1, 1], "capacity 3: oldest out"
+    assert len(buf.latest[0]) == 2, "the latest round holds both new copies"
+    copy = ReplayBuffer(capacity_per_query=1)
+    copy.load_state_dict(json.loads(json.dumps(buf.state_dict())))
+    assert copy.dedup is False and copy.serial == buf.serial and len(copy) == 4
+    draws = [[[(t.query_id, t.response_ids, t.policy_version) for t in g] for g in b.sample(2, 3, m=0.5)] for b in (buf, copy)]
+    assert draws[0] == draws[1], "a resumed buffer draws what the original would have"
 
 
 @quick
@@ -338,7 +386,10 @@ def test_smoke_run_writes_metrics(tmp_path, cache_dir):
     assert "eval/accuracy" in rows[0], "the evaluation before training is in the record of step 0"
     keys = {"loss/train", "loss/log_Z", "loss/kl", "reward/batch", "reward/fresh", "sched/beta", "sched/lr",
             "buffer/size", "staleness/mean", "staleness/max", "staleness/hist", "perf/samples_per_s", "perf/busy"}
+    keys |= {"offpolicy/drift", "offpolicy/drift_p90", "offpolicy/ratio_out", "offpolicy/clip_frac", "grad/norm"}
     assert keys <= set(rows[0]), f"missing metrics: {keys - set(rows[0])}"
+    assert rows[0]["offpolicy/drift"] < 1e-4, "step 0 trains on data of its own weights: pi = mu"
+    assert max(r["offpolicy/drift"] for r in rows) > 1e-3, "later steps train on data of older weights"
     assert all(np.isfinite(r["loss/train"]) for r in rows)
     assert re.fullmatch(r"accuracy: before [\d.]+% -> after [\d.]+%", out.stdout.splitlines()[-1])
     assert "\r" not in out.stdout + out.stderr, "a redirected log has no progress-bar carriage returns"

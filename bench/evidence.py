@@ -24,6 +24,14 @@ Experiments (--sections)
   tldr       the paper's Table 1 in miniature on the tiny TL;DR preset at the paper's most off-policy
              setting, sync every k = 10 steps with m = 0.5 (the tiny preset's own k is 4): win rate and KL
              for TB, RLOO and Online DPO.
+  ablations  why TB trails the clipped baselines off-policy (issue: the paper's claims, diagnosed): one change
+             at a time from the tiny GSM8K preset (ABLATIONS: gradient clipping, the initial fill, m, the
+             learning rate, beta, dedup, the ratio clip, TB with a trust region) at the sync periods
+             --ablation-k, with the off-policy diagnostics of every cell: drift |log pi - log mu| (mean, p90),
+             the fraction of ratios outside [1 - eps, 1 + eps], the clip fraction, the gradient norm before
+             clipping and how often it was clipped.
+  frontier   TL;DR tiny at k = 10: win rate against KL(pi_sft, pi) for TB, RLOO and Online DPO at several betas and the
+             official schedule's shape (the paper reads TL;DR on this frontier, not at one shared beta).
 
 Output: one markdown table per section on stdout and in results/<section>.md, a PNG per section in
 results/ (matplotlib, optional), and every run as a row of results/runs.csv (kept across invocations; a
@@ -41,20 +49,17 @@ Run: python -m bench --quick     # a CI-sized check, under 20 minutes on 2 cores
      python -m bench --sections staleness --reuse           # (runs only the cells not made yet)
 """
 
-import csv
 import datetime
-import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
+from bench.diagnosis import ablation_runs, ablations, frontier
+from bench.protocol import DIAGNOSTICS, REUSED, _mean, cell, diagnostics, fmt, table, write_runs
 from config import build_parser, knob
-
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root: the run_*.py scripts, results/
 
 
 @dataclass
@@ -62,139 +67,26 @@ class BenchConfig:
     out: str = knob("results", "directory for the tables, plots, runs.csv and the runs themselves")
     quick: bool = knob(False, "a CI-sized check: 2 seeds, 60-step schedules, fewer cells (under 20 minutes)")
     seeds: int = knob(4, "seeds per cell")
-    sections: str = knob("speed,staleness,buffer,tba_prime,tldr", "which experiments to run (comma list)")
+    sections: str = knob("speed,staleness,buffer,tba_prime,tldr,ablations,frontier", "which experiments to run (comma list)")
     target: float = knob(0.7, "headline score for the time-to-target comparison (GSM8K accuracy)")
     eval_every: int = knob(25, "evaluate every this many steps (the score is the mean of the last 3 evaluations)")
     speed_eval_every: int = knob(10, "evaluation period of the speed runs (time to target is read at evaluations)")
     stale_k: str = knob("1,2,4,8,16", "staleness section: the sync periods k (comma list; --quick: 2,16)")
     stale_objectives: str = knob("tb,rloo,grpo", "staleness section: the objectives (comma list; --quick: tb,grpo)")
+    ablations: str = knob("preset,no-grad-clip,trust-region,init-1024", "ablations section: the variants (comma list of ABLATIONS' "
+                                                      "names, run in this order; name@4: at k = 4 only)")
+    ablation_k: str = knob("16", "ablations section: the sync periods k (comma list)")
+    ablation_objectives: str = knob("tb,grpo,rloo", "ablations section: the objectives (comma list; a variant runs "
+                                                    "only for the objectives it applies to)")
+    frontier_betas: str = knob("0.05,0.2,0.8,schedule", "frontier section: constant betas, and 'schedule' for the "
+                                                        "official-shaped one (comma list)")
     tldr_eval_every: int = knob(10, "evaluation period of the TL;DR runs (50 steps: the score is steps 30-50)")
     cache_dir: str = knob("~/.cache/tba", "where the tiny presets' warm starts are cached (shared by all runs)")
     seconds_per_run: float = knob(150.0, "expected seconds per full run, for the wall-time estimate printed first")
+    made_only: bool = knob(False, "ablations section: tabulate the cells whose runs were all made already (--reuse), "
+                                  "leave out the others, run nothing")
     reuse: bool = knob(False, "take a run that an earlier invocation finished with the same flags from its run dir "
                               "instead of running it again (splits a long bench over several invocations)")
-
-
-QUICK_SCHEDULE = ["--steps", "60", "--warmup-steps", "5", "--stable-steps", "35", "--decay-steps", "20"]
-
-
-# -----------------------------------------------------------------------------
-# One run, and a cell of runs
-
-def run(cfg, script, name, flags, seed, eval_every=None):
-    """One run of a task's tiny preset; returns its row: score, time to target, start-up, rates, diagnostics."""
-    run_dir = os.path.join(cfg.out, "runs", name)
-    if cfg.reuse and (row := reused(cfg, run_dir, name, flags)) is not None:
-        return row
-    warm_up(cfg, script)
-    cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--run-dir", run_dir, "--overwrite",
-           "--cache-dir", cfg.cache_dir, "--seed", str(seed), "--eval-every", str(eval_every or cfg.eval_every),
-           "--log-every", "1000000", *(QUICK_SCHEDULE if cfg.quick else []), *flags]
-    t0 = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"run {name} failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
-    row = summarise(*read_run(run_dir), cfg.target)
-    row.update({"name": name, "seed": seed, "flags": " ".join(flags), "run_wall_s": round(time.time() - t0, 1)})
-    print(f"  {name:<34} score {row['score']:.3f} | to target {row['time_to_target_s']} s | {row['run_wall_s']:.0f} s",
-          flush=True)
-    return row
-
-
-def read_run(run_dir):
-    """A finished run's metrics.jsonl records and the metrics key of its task's headline score."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    with open(os.path.join(run_dir, "result.json")) as f:
-        return records, "eval/" + json.load(f)["headline"]
-
-
-REUSED = []  # names of the runs that --reuse took from earlier invocations
-
-
-def reused(cfg, run_dir, name, flags):
-    """--reuse: the row of a run that an earlier invocation finished with the same flags (its run dir holds
-    result.json and runs.csv holds its row), summarised again from its files; None if there is none."""
-    if not os.path.exists(os.path.join(run_dir, "result.json")):
-        return None
-    old = next((r for r in read_runs(os.path.join(cfg.out, "runs.csv"))
-                if r["name"] == name and r["flags"] == " ".join(flags)), None)
-    if old is None:
-        return None
-    row = summarise(*read_run(run_dir), cfg.target)
-    row.update({"name": name, "seed": int(old["seed"]), "flags": old["flags"], "run_wall_s": float(old["run_wall_s"])})
-    REUSED.append(name)
-    print(f"  {name:<34} score {row['score']:.3f} | reused from {run_dir}", flush=True)
-    return row
-
-
-def summarise(records, headline, target):
-    """A run's row from its metrics.jsonl records (training steps and evaluations)."""
-    steps = [r for r in records if "loss/train" in r]
-    evals = [r for r in records if r.get(headline) is not None]
-    hit = next((r["time/eval_since_launch"] for r in evals if r[headline] >= target), None)
-    mean = lambda key: _mean([r[key] for r in steps if r.get(key) is not None])
-    trained = [r for r in evals if r["step"] > 0]  # the evaluation before training never counts in the score
-    return {"score": _mean([r[headline] for r in trained[-3:]]), "before": evals[0][headline],
-            "time_to_target_s": None if hit is None else round(hit, 1),
-            "startup_s": round(steps[0]["time/since_launch"] - steps[0]["time/train"], 1),
-            "busy": steps[-1]["perf/busy"], "tokens_per_s": steps[-1]["perf/tokens_per_s"],
-            "latest_frac": mean("buffer/latest_frac"), "staleness_mean": mean("staleness/mean"),
-            "staleness_max": max(r["staleness/max"] for r in steps), "grad_norm": mean("grad/norm"),
-            "kl": mean("loss/kl"), "log_Z_std": mean("loss/log_Z_std"), "eval_kl": evals[-1].get("eval/kl"),
-            "round_age": mean("buffer/round_age"), "latest_size": mean("buffer/latest"),
-            "curve": [(r["step"], r[headline]) for r in evals]}
-
-
-def _mean(values):
-    return sum(values) / len(values) if values else math.nan
-
-
-T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        15: 2.131, 20: 2.086, 30: 2.042}  # two-sided 95% Student-t quantiles by degrees of freedom
-
-
-def interval(values):
-    """(mean, half-width of the 95% Student-t interval) of a cell's values; (mean, nan) for one value."""
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    n = len(values)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(values) / n
-    if n == 1:
-        return mean, math.nan
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    t = T_95[max(d for d in T_95 if d <= n - 1)]
-    return mean, t * sd / math.sqrt(n)
-
-
-def fmt(values, scale=1.0, digits=1):
-    mean, half = interval(values)
-    if math.isnan(mean):
-        return "n/a"
-    return f"{scale * mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {scale * half:.{digits}f}")
-
-
-def cell(cfg, script, name, flags, eval_every=None):
-    """The runs of one configuration over cfg.seeds seeds."""
-    return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every) for s in range(cfg.seeds)]
-
-
-WARM = set()  # (script, seed) pairs whose warm start is known to be cached
-
-
-def warm_up(cfg, script):
-    """Build (or find) each seed's cached warm start with a 1-step run, so that no measured run includes it:
-    a run's seconds from launch then mean the same thing whichever run of a seed comes first."""
-    for seed in range(cfg.seeds):
-        if (script, seed) not in WARM:
-            cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--steps", "1", "--overwrite",
-                   "--run-dir", os.path.join(cfg.out, "runs", f"warm-up-{script[:-3]}-seed{seed}"),
-                   "--cache-dir", cfg.cache_dir, "--seed", str(seed), "--eval-every", "0"]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise RuntimeError(f"warm-up failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
-            WARM.add((script, seed))
 
 
 # -----------------------------------------------------------------------------
@@ -221,14 +113,6 @@ def stale_grid(cfg):
 
 
 # a diagnostic column of the tables: (its key in a run's summary row, digits shown)
-DIAGNOSTICS = {"realised m": ("latest_frac", 2), "staleness mean": ("staleness_mean", 1),
-               "staleness max": ("staleness_max", 0), "round age": ("round_age", 1), "round size": ("latest_size", 0),
-               "grad norm": ("grad_norm", 2), "kl": ("kl", 2), "log Z spread": ("log_Z_std", 2)}
-
-
-def diagnostics(rows, columns):
-    """The named DIAGNOSTICS columns of one cell, each as mean ± 95% interval over its runs."""
-    return {c: fmt([r[DIAGNOSTICS[c][0]] for r in rows], digits=DIAGNOSTICS[c][1]) for c in columns}
 
 
 def staleness(cfg):
@@ -269,19 +153,20 @@ def tldr(cfg):
     return cells, table(rows)
 
 
-SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "tldr": tldr}
+
+
+SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "tldr": tldr,
+            "ablations": ablations, "frontier": frontier}
 TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyness: sync period k (tiny GSM8K)",
           "buffer": "The buffer: m and prioritisation, TB (tiny GSM8K)", "tba_prime": "TBA' against beta decay (tiny GSM8K)",
-          "tldr": "Table 1 in miniature: TL;DR at k = 10, m = 0.5 (tiny TL;DR)"}
+          "tldr": "Table 1 in miniature: TL;DR at k = 10, m = 0.5 (tiny TL;DR)",
+          "ablations": "Why TB trails the clipped baselines off-policy: one change at a time (tiny GSM8K)",
+          "frontier": "TL;DR at k = 10: win rate against KL, by beta (tiny TL;DR)"}
 
 
 # -----------------------------------------------------------------------------
 # Output
 
-def table(rows):
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows])
 
 
 def plot(cells, path, title):
@@ -318,7 +203,7 @@ def main(argv=None):
     chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
     runs_per_seed = {"speed": 2, "staleness": math.prod(map(len, stale_grid(cfg))), "buffer": 4 if cfg.quick else 6,
-                     "tba_prime": 2, "tldr": 3}
+                     "tba_prime": 2, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(","))}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
           f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached"
@@ -343,24 +228,6 @@ def main(argv=None):
     print(f"\nbench finished: {provenance(argv, time.time() - t0)}; {len(all_rows)} runs; {cfg.out}/runs.csv")
 
 
-def write_runs(path, rows):
-    """Every run as a row of runs.csv; runs of earlier invocations stay unless this one ran them again."""
-    old = read_runs(path)
-    names = {r["name"] for r in rows}
-    rows = [r for r in old if r["name"] not in names] + rows
-    columns = list(dict.fromkeys(c for r in rows for c in r if c != "curve"))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def read_runs(path):
-    """The rows of runs.csv (as strings), or none if it does not exist yet."""
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def format_line(record):
     return (f"step {record['step']:5d} | loss {record['loss/train']:8.3f} | log_Z {record['loss/log_Z']:7.2f} | kl {record['loss/kl']:6.2f} | "
             f"reward {record['reward/batch']:.3f} fresh {record['reward/fresh']:.3f} | beta {record['sched/beta']:.4f} | lr {record['sched/lr']:.2e} | "
             f"buffer {record['buffer/size']} | stale {record['staleness/mean']:.1f}/{record['staleness/max']} | "
+            f"drift {record['offpolicy/drift']:.2f} out {record['offpolicy/ratio_out']:.2f} clip {record['offpolicy/clip_frac']:.2f} | "
+            f"grad {record['grad/norm']:.3g} | "
             f"{record['perf/samples_per_s']:.0f} samples/s | busy {100 * record['perf/busy']:.0f}%")
 
 

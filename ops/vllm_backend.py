@@ -4,6 +4,7 @@ interface as models.HFGenerator,
 
     generate(prompt_ids, n, temperature, greedy) -> n responses per prompt (prompt-major), each a list of
                                                      token ids, EOS included when generated
+    sample(prompt_ids, n, temperature, score_temperature) -> the same, and each token's log-prob (9)
     load_state_dict(tensors)                        make these the weights the engine samples from
     model = None                                    the weights live inside the engine, not in a torch model
 
@@ -42,6 +43,10 @@ How it is wired, and why:
      model's own limit.
   8. On CPU the engine runs eagerly (enforce_eager: the CPU build has no graph capture), and it keeps
      the searcher's torch thread count (--searcher-threads) instead of dropping to 1 thread.
+  9. Behaviour log-probs come from the engine (logprobs_mode "processed_logprobs": after the sampling
+     temperature, which with full support is log softmax(logits / T)), so the searcher needs no second
+     forward, when the loss's temperature is the sampling temperature; otherwise `sample` returns None and
+     the searcher scores the responses with its own policy copy.
 
 Departure from the official code: it copies new weights into the engine's model object directly
 (`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)`: vLLM's private
@@ -85,7 +90,8 @@ class VLLMGenerator:
         self.llm = LLM(model=cfg.model, dtype=cfg.dtype, seed=seed, trust_remote_code=cfg.trust_remote_code,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=on_cpu,
                        kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                       use_tqdm_on_load=False)  # no progress bar at every reload
+                       use_tqdm_on_load=False,  # no progress bar at every reload
+                       logprobs_mode="processed_logprobs")  # (9) log-probs after the temperature, as sampled
         self.shapes = {name: tuple(t.shape) for name, t in policy.state_dict().items()}
         self.stop_ids, self.max_new_tokens = stop_ids(policy, tokenizer), cfg.max_new_tokens  # every EOS id
         self.seed, self.requests = seed, 0
@@ -93,16 +99,25 @@ class VLLMGenerator:
         self.snapshot_dir = tempfile.mkdtemp(prefix="tba-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.snapshot_dir, True)  # removed when this process exits
 
-    def generate(self, prompt_ids, n, temperature, greedy=False):
+    def generate(self, prompt_ids, n, temperature, greedy=False, logprobs=None):
         """n responses per prompt (prompt-major order), each ending in a stop id unless cut at max_new_tokens."""
         params = []
         for _ in prompt_ids:  # (6) one seed per request
             params.append(SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0,
                                          max_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_ids),
-                                         seed=(self.seed << 32) + self.requests, detokenize=False))
+                                         seed=(self.seed << 32) + self.requests, detokenize=False, logprobs=logprobs))
             self.requests += 1
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)
-        return [list(c.token_ids) for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
+        self.last = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
+        return [list(c.token_ids) for c in self.last]
+
+    def sample(self, prompt_ids, n, temperature, score_temperature):
+        """`generate`, and each response token's log-prob as the engine sampled it (9); None when the loss's
+        temperature is not the sampling temperature (the searcher then scores them with a forward)."""
+        if temperature != score_temperature:
+            return self.generate(prompt_ids, n, temperature), None
+        responses = self.generate(prompt_ids, n, temperature, logprobs=0)  # 0: the sampled token's only
+        return responses, [tuple(step[t].logprob for step, t in zip(c.logprobs, c.token_ids)) for c in self.last]
 
     def load_state_dict(self, tensors):
         """Replace the engine's weights with `tensors` (names and shapes as at start): (2)-(5) above."""

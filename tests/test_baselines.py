@@ -2,20 +2,28 @@
 The comparison objectives of baselines.py against hand-computed cases, as TRL defines them. (The TB/RLOO
 identity is one of the algorithm's tests, in test_tba.py.)
 
+The off-policy diagnostics (drift, ratios out of the band, clip fraction) in the metrics and step line of TB,
+RLOO and GRPO runs of the tiny preset.
+
 Run: python -m pytest -q tests/test_baselines.py
 """
 
 import math
+import re
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-from baselines import dr_grpo_loss, grpo_loss, online_dpo_loss, rloo_loss
+from baselines import baseline_loss, clipped_fraction, dr_grpo_loss, grpo_loss, online_dpo_loss, rloo_loss
 
-pytestmark = pytest.mark.quick
+from tests.helpers import read_metrics, tiny_args
+
+quick = pytest.mark.quick  # (the hand-computed cases; the runs at the end take seconds each)
 
 
+@quick
 def test_rloo_as_trl_hand_computed():
     # R = r - beta (behavior - ref) = (1 - 0.1, 0, 0 - 0.1 * 2) = (0.9, 0, -0.2); A = R - mean of the others
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
@@ -33,6 +41,7 @@ def test_rloo_as_trl_hand_computed():
     assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() != 0.0
 
 
+@quick
 def test_grpo_per_token_ratio_clipping_and_normalisations():
     # two responses of 2 and 1 tokens; rewards (1, 0): A = (0.5, -0.5) (/ std 0.7071 with scale_rewards)
     mask = torch.tensor([[[1.0, 1.0], [1.0, 0.0]]])  # (Q=1, K=2, T=2)
@@ -51,6 +60,28 @@ def test_grpo_per_token_ratio_clipping_and_normalisations():
     assert token_logp.grad[0, 0, 1].item() == pytest.approx(-A / 3, abs=1e-6), "the other token still learns"
 
 
+@quick
+def test_clip_fraction_and_no_ratio_clip():
+    rho, A = torch.tensor([[1.5, 1.5, 0.5, 0.5, 1.0]]), torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0]])
+    assert clipped_fraction(rho, A, 0.2) == pytest.approx(2 / 5), "above with A > 0, below with A < 0: no gradient"
+    assert clipped_fraction(rho, A, 0.2, mask=torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0]])) == 0.5, "padding left out"
+    assert clipped_fraction(rho, A, math.inf) == 0.0
+    # baseline_loss reads --clip-eps and --no-ratio-clip: without the clip, RLOO is plain importance weighting
+    from buffer import Trajectory
+    from config import Config
+    group = [Trajectory(query_id=0, response_ids=(5,), reward=r, policy_version=0, behavior_logp=-1.0, ref_logp=-1.0,
+                        behavior_token_logp=(-1.0,)) for r in (1.0, 0.0)]
+    token_logp = torch.tensor([[-0.5], [-1.0]], requires_grad=True)  # response 0: ratio e^0.5, advantage +1
+    for ratio_clip, want_grad, want_clip in ((True, 0.0, 0.5), (False, -math.exp(0.5) / 2, 0.0)):
+        token_logp.grad = None
+        loss, clip = baseline_loss(Config(objective="rloo", ratio_clip=ratio_clip), [group], token_logp, beta=0.1)
+        loss.backward()
+        assert token_logp.grad[0, 0].item() == pytest.approx(want_grad, abs=1e-6) and clip == want_clip
+    loss, clip = baseline_loss(Config(objective="grpo", clip_eps=0.7), [group], token_logp, beta=0.1)
+    assert clip == 0.0, "e^0.5 = 1.65 is inside [0.3, 1.7]"
+
+
+@quick
 def test_online_dpo_best_vs_worst_and_ties():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0, -2.0], [0.0, 0.0, 0.0]])
@@ -62,3 +93,19 @@ def test_online_dpo_best_vs_worst_and_ties():
     assert loss.item() == pytest.approx(want, abs=1e-6)
     loss.backward()
     assert logp.grad[1].abs().sum().item() == 0.0 and logp.grad[0, 2].item() == 0.0
+
+
+@pytest.mark.parametrize("objective", ["tb", "rloo", "grpo"])
+def test_offpolicy_diagnostics_in_every_objectives_metrics_and_step_line(tmp_path, cache_dir, objective):
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "8", "--sync-every", "4", "--objective", objective,
+                                   "--eval-every", "0"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert rows[0]["offpolicy/drift"] < 1e-4 and rows[0]["offpolicy/ratio_out"] == 0, "step 0: pi = mu"
+    assert all(r["offpolicy/drift"] >= 0 and r["offpolicy/drift_p90"] >= 0 for r in rows)
+    assert max(r["offpolicy/drift"] for r in rows[1:4]) > 0, "steps 1-3 train on data of step 0's weights"
+    clip = [r["offpolicy/clip_frac"] for r in rows]
+    assert all(c is None for c in clip) if objective == "tb" else all(0 <= c <= 1 for c in clip), clip
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 8 and all(re.search(r"\| drift [\d.]+ out [\d.]+ clip (nan|[\d.]+) \| grad [\d.e+-]+ \|", line)
+                                   for line in lines), lines[:2]

@@ -21,7 +21,7 @@ BENCH_RECORDS = [{"step": 0, "eval/accuracy": 0.2, "time/eval_since_launch": 5.0
 
 
 def test_bench_interval_and_run_summary():
-    from bench import evidence as bench
+    from bench import protocol as bench
     mean, half = bench.interval([1.0, 2.0, 3.0])  # sd 1, t(2 dof) = 4.303
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
     assert bench.interval([5.0])[0] == 5.0 and math.isnan(bench.interval([5.0])[1])
@@ -34,8 +34,8 @@ def test_bench_interval_and_run_summary():
 
 
 def test_bench_reuse_reads_finished_runs_back(tmp_path, monkeypatch):
-    from bench import evidence as bench
-    cfg = bench.BenchConfig(out=str(tmp_path), reuse=True, target=0.7)
+    from bench import evidence, protocol as bench
+    cfg = evidence.BenchConfig(out=str(tmp_path), reuse=True, target=0.7)
     run_dir = tmp_path / "runs" / "stale-tb-k8-seed1"
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in BENCH_RECORDS))
@@ -51,9 +51,37 @@ def test_bench_reuse_reads_finished_runs_back(tmp_path, monkeypatch):
 
 
 def test_bench_runs_csv_keeps_earlier_runs(tmp_path):
-    from bench import evidence as bench
+    from bench import protocol as bench
     path = str(tmp_path / "runs.csv")
     bench.write_runs(path, [{"name": "a", "score": 0.1, "curve": [(0, 0.1)]}, {"name": "b", "score": 0.2}])
     bench.write_runs(path, [{"name": "b", "score": 0.3, "eval_kl": 0.05}])  # b again, with a new column
     with open(path) as f:
         assert f.read().splitlines() == ["name,score,eval_kl", "a,0.1,", "b,0.3,0.05"]
+
+
+def test_bench_ablation_and_frontier_sections_tabulate(tmp_path, monkeypatch):
+    from bench import diagnosis, evidence, protocol as bench
+    cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2, ablations="preset,no-grad-clip,trust-region,no-ratio-clip,trust-region@4",
+                            ablation_objectives="tb,grpo", frontier_betas="0.05,schedule")
+    made = []
+
+    def fake_run(cfg, script, name, flags, seed, eval_every=None):
+        made.append((script, name, flags))
+        records = [dict(r, **({"offpolicy/drift": 0.1 * (seed + 1), "offpolicy/ratio_out": float("nan"),
+                               "eval/kl": 0.02} if "loss/train" in r else {"eval/kl": 0.02})) for r in BENCH_RECORDS]
+        return {**bench.summarise(records, "eval/accuracy", 0.7), "name": name, "seed": seed}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    assert diagnosis.ablation_runs(cfg) == 7, "preset and no-grad-clip for both, trust region for TB (also at k = 4), no ratio clip for GRPO"
+    cells, text = diagnosis.ablations(cfg)
+    assert len(made) == 14 and "| trust-region | tb | 4 |" in text and ("run_gsm8k.py", "stale-tb-k16-seed0", ["--objective", "tb", "--sync-every", "16"]) in made
+    assert ("run_gsm8k.py", "abl-trust-region-tb-k16-seed1", ["--objective", "tb", "--sync-every", "16",
+                                                             "--tb-trust-region"]) in made
+    assert "| trust-region | tb | 16 | 73.3 ± 0.0 | 0.150 ± 0.635 |" in text and "| n/a |" in text, "NaN steps left out"
+    cells, text = diagnosis.frontier(cfg)
+    assert len(cells) == 6 and "| online_dpo | schedule |" in text and (tmp_path / "frontier.png").exists() == bench_plots()
+
+
+def bench_plots():
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is not None

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from loss import make_batch, response_logprobs
-from models import HFGenerator, completions, cut_at_eos, load_model, stop_ids
-from tests.helpers import _tiny_qwen2
+from models import HFGenerator, completions, cut_at_eos, load_model, score_logprobs, stop_ids
+from tests.helpers import _tiny_qwen2, _tiny_random_hf_model
 
 TEXTS = ["yes no maybe yes", "the cat says yes", "hello world, hello you"] * 20
 
@@ -54,6 +54,21 @@ def test_response_logprobs_from_the_response_positions_alone(tmp_path):
     assert kept.shape == full.shape == (2, max(map(len, responses)))
     assert torch.allclose(kept, full, atol=1e-5), (kept - full).abs().max()
     assert (kept[0, len(responses[0]):] == 0).all(), "padding contributes exactly 0"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_behaviour_logprobs_come_with_generation_and_equal_a_forward(tmp_path, arch):
+    path = _tiny_qwen2(tmp_path / "qwen", TEXTS) if arch == "qwen2" else _tiny_random_hf_model("llama", tmp_path, TEXTS)
+    model, tokenizer = load_model(path)
+    generator = HFGenerator(model, tokenizer, max_new_tokens=12)
+    prompts = [tokenizer(t)["input_ids"] for t in ("the cat says", "hello")]
+    torch.manual_seed(0)
+    for temperature, score_temperature in ((0.7, 0.7), (1.0, 0.7)):  # (--temperature-max: another sampling one)
+        responses, token_logp = generator.sample(prompts, 3, temperature, score_temperature)
+        forward = score_logprobs(model, [p for p in prompts for _ in range(3)], responses, tokenizer.pad_token_id,
+                                 score_temperature, micro_batch=64, per_token=True)
+        assert [len(t) for t in token_logp] == [len(r) for r in responses]
+        assert max(abs(a - b) for x, y in zip(token_logp, forward) for a, b in zip(x, y)) < 1e-5
 
 
 def _cfg(**fields):

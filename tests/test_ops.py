@@ -300,6 +300,8 @@ def _cli(tmp_path, *flags):
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be > 0"),
     (["--objective", "ppo"], "--objective must be one of tb, rloo, grpo, dr_grpo"),
     (["--lr-decay", "step"], "--lr-decay must be cosine or linear"),
+    (["--tb-trust-region", "--objective", "grpo"], "--tb-trust-region is a TB variant, not grpo's"),
+    (["--clip-eps", "1.5"], "--clip-eps must be in (0, 1)"),
     (["--model", "does-not-exist"], "--model does-not-exist: no such directory, and not a hub id"),
 ])
 def test_every_bad_flag_is_one_line_before_anything_starts(tmp_path, flags, message):

@@ -142,6 +142,19 @@ def test_vllm_request_seeds_make_samples_reproducible(engine):
     assert generator.generate(prompts[1:], 3, 1.0) != first[3:], "the next request gets a new seed"
 
 
+def test_vllm_behaviour_logprobs_come_with_sampling_and_equal_a_forward(engine):
+    from models import score_logprobs
+    generator, hf, tokenizer = engine.generator, engine.hf, engine.tokenizer
+    generator.load_state_dict(engine.A)
+    hf.load_state_dict(engine.A)
+    responses, token_logp = generator.sample(PROMPTS[:2], 3, 0.7, 0.7)
+    forward = score_logprobs(hf, [p for p in PROMPTS[:2] for _ in range(3)], responses, tokenizer.pad_token_id, 0.7,
+                             micro_batch=64, per_token=True)
+    assert [len(t) for t in token_logp] == [len(r) for r in responses]
+    assert max(abs(a - b) for x, y in zip(token_logp, forward) for a, b in zip(x, y)) < 1e-3, "at the loss's temperature"
+    assert generator.sample(PROMPTS[:2], 3, 1.0, 0.7)[1] is None, "another temperature: left to a forward"
+
+
 # -----------------------------------------------------------------------------
 # The engine inside a daemonic spawned process, as searcher.py starts searchers
 
