@@ -12,7 +12,7 @@ Run: python -m bench --sections ablations --ablations preset,trust-region --abla
 
 import os
 
-from bench.protocol import cell, diagnostics, finished, fmt, interval, table
+from bench.protocol import cell, diagnostics, finished, fmt, interval, pyplot, table
 
 
 # an ablation: its flags, and the objectives it applies to (None: all); each departs from the tiny preset
@@ -87,18 +87,14 @@ def frontier(cfg):
     rows = [{"objective": o, "beta": b, "win rate (%)": fmt([r["score"] for r in rs], 100),
              "KL(pi_sft, pi) per token, after": fmt([r["eval_kl"] for r in rs], digits=3),
              **diagnostics(rs, ["drift", "kl"])} for (o, b), rs in cells.items()]
-    plot_frontier(cells, os.path.join(cfg.out, "frontier.png"))
+    plot_frontier(cells, os.path.join(cfg.out, "frontier_kl.png"))
     return {f"{o} beta={b}": rs for (o, b), rs in cells.items()}, table(rows)
 
 
 def plot_frontier(cells, path):
     """Win rate against KL, one point per (objective, beta) with its seeds' 95% intervals, a line per objective."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib not installed: skipping {path})")
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for o in dict.fromkeys(o for o, _ in cells):
@@ -108,7 +104,7 @@ def plot_frontier(cells, path):
         ax.errorbar(x, y, xerr=xe, yerr=ye, marker="o", capsize=3, label=o)
         for (kl, _), (win, _), b in points:
             ax.annotate(b, (kl, win), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set(xlabel="KL(pi_sft, pi) per token (held-out)", ylabel="win rate (%)", title="TL;DR tiny: win rate against KL")
+    ax.set(xlabel="KL(pi_sft, pi) per token (held-out)", ylabel="win rate (%)", title="TL;DR tiny at k = 10: win rate against KL")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 
 from bench.diagnosis import ablation_runs, ablations, frontier
-from bench.protocol import DIAGNOSTICS, REUSED, _mean, cell, diagnostics, fmt, table, write_runs
+from bench.protocol import DIAGNOSTICS, REUSED, _mean, cell, diagnostics, fmt, pyplot, table, write_runs
 from config import build_parser, knob
 
 
@@ -171,12 +171,8 @@ TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyn
 
 def plot(cells, path, title):
     """Mean headline score over steps for each cell (seeds averaged)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib not installed: skipping {path})")
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (name, rows) in enumerate(cells.items()):  # tab20: up to 20 cells, no colour repeated

@@ -161,6 +161,18 @@ def table(rows):
     return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows])
 
 
+def pyplot(path):
+    """matplotlib.pyplot (headless), or None if matplotlib is not installed (an optional bench dependency)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib not installed: skipping {path})")
+        return None
+    return plt
+
+
 def write_runs(path, rows):
     """Every run as a row of runs.csv; runs of earlier invocations stay unless this one ran them again."""
     old = read_runs(path)

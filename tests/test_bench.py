@@ -79,7 +79,7 @@ def test_bench_ablation_and_frontier_sections_tabulate(tmp_path, monkeypatch):
                                                              "--tb-trust-region"]) in made
     assert "| trust-region | tb | 16 | 73.3 ± 0.0 | 0.150 ± 0.635 |" in text and "| n/a |" in text, "NaN steps left out"
     cells, text = diagnosis.frontier(cfg)
-    assert len(cells) == 6 and "| online_dpo | schedule |" in text and (tmp_path / "frontier.png").exists() == bench_plots()
+    assert len(cells) == 6 and "| online_dpo | schedule |" in text and (tmp_path / "frontier_kl.png").exists() == bench_plots()
 
 
 def bench_plots():

@@ -222,8 +222,8 @@ def test_no_eos_penalty_replaces_the_score():
     class Generator:
         stop_ids = (eos,)
 
-        def generate(self, prompt_ids, n, temperature, greedy=False):
-            return [[word, eos], [word, word]]  # the second was cut at max_new_tokens
+        def sample(self, prompt_ids, n, temperature, score_temperature):  # (no behaviour log-probs)
+            return [[word, eos], [word, word]], None  # the second was cut at max_new_tokens
 
     task = TLDRTask(["TL;DR:"], [{}], ["TL;DR:"], [{}])
     searcher = Searcher(cfg, task, Generator(), tokenizer, lambda p, c, m: [0.7] * len(c), seed=0)
