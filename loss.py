@@ -70,9 +70,8 @@ def tb_trust_region_loss(logp, ref_logp, reward, beta, behavior_logp, eps):
     [1 - eps, 1 + eps] in that direction, the response's residual is masked (PPO's clip, for TB).
     Returns (loss, fraction of responses masked). (Q, K) inputs; behavior_logp = log mu(y_k|x).
     """
-    kl = logp - ref_logp
-    log_Z = (reward / beta - kl).mean(dim=1, keepdim=True).detach()  # (Q, 1) over all K, as Eq. 5
-    delta = log_Z + kl - reward / beta  # (Q, K)
+    log_Z = tb_log_Z(logp, ref_logp, reward, beta).unsqueeze(1)  # (Q, 1) over all K, detached, as Eq. 5
+    delta = log_Z + logp - ref_logp - reward / beta  # (Q, K)
     log_ratio = (logp - behavior_logp).detach()
     masked = ((delta > 0) & (log_ratio < math.log(1 - eps))) | ((delta < 0) & (log_ratio > math.log(1 + eps)))
     return (delta.pow(2) * (~masked)).mean(), masked.float().mean().item()
