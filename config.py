@@ -90,6 +90,8 @@ class Config:
     prompts_per_search: int = model_(4, "prompts per searcher generation batch")
     gradient_checkpointing: bool = model_(False, "recompute activations in the backward: less memory, more compute "
                                                  "(the policy trains in train mode with every dropout off)")
+    share_prompt: bool = model_(True, "the loss's forward runs each prompt once for its K responses (its keys and values "
+                                      "shared): the same log-probs, less compute; not with --gradient-checkpointing")
     lora_rank: int = model_(0, "LoRA rank through PEFT (0: train every weight); the reference is then the base model "
                                "with the adapters off, no second copy, and the searchers get the merged weights")
     lora_alpha: float = model_(16.0, "LoRA alpha (the adapters' scale is alpha / rank)")

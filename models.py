@@ -4,6 +4,7 @@ searchers (searcher.py) and the tasks' evaluations (rewards.py, tasks/).
 
     load_model(path, device, dtype)   AutoModelForCausalLM + AutoTokenizer, in eval mode, with a pad token
     encode_prompts(tokenizer, texts)  prompt token ids, never with a second BOS (chat templates render one)
+    PromptIds(tokenizer, texts)       the same by index, each encoded on first use
     load_trainer_models(cfg)          the policy and its reference (LoRA: one model, the adapters on and off)
     HFGenerator                       transformers `generate` with a KV cache: n responses per prompt, cut at
                                       the first stop id; the searchers' default backend (ops/vllm_backend.py
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from config import ConfigError
-from loss import make_batch, response_logprobs
+from loss import make_batch, response_logprobs, shared_prompt_logprobs, takes_logits_to_keep
 
 
 # -----------------------------------------------------------------------------
@@ -77,6 +78,19 @@ def encode_prompts(tokenizer, texts):
     BOS (a chat template renders it): never a second BOS."""
     bos = tokenizer.bos_token
     return [tokenizer(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"] for t in texts]
+
+
+class PromptIds(dict):
+    """Token ids of a task's prompts by query id, each encoded when first asked for (a run uses a fraction of a
+    large training set, and encoding all of it up front delays the first step: 1 s for tiny GSM8K's 20,000)."""
+
+    def __init__(self, tokenizer, prompts):
+        super().__init__()
+        self.tokenizer, self.prompts = tokenizer, prompts
+
+    def __missing__(self, query_id):
+        self[query_id] = encode_prompts(self.tokenizer, [self.prompts[query_id]])[0]
+        return self[query_id]
 
 
 def dtype_of(name):
@@ -165,19 +179,31 @@ def cut_at_eos(ids, stop):
 
 
 @torch.no_grad()
-def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batch, per_token=False):
+def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batch, per_token=False, share_prompt=False):
     """Log-probs of each (prompt, response) pair under `model`, micro_batch rows at a time: a list of
-    log pi(y|x), or with per_token a list of per-token tuples (one log-prob per response token)."""
+    log pi(y|x), or with per_token a list of per-token tuples (one log-prob per response token). share_prompt:
+    a micro-batch whose rows come K at a time with the same prompt runs each prompt once (loss.py)."""
     out = []
     for i in range(0, len(responses), micro_batch):
-        chunk = responses[i:i + micro_batch]
-        batch = make_batch(prompt_ids[i:i + micro_batch], chunk, pad_id)
-        token_logp = response_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu()  # (n, R)
+        chunk, prompts = responses[i:i + micro_batch], prompt_ids[i:i + micro_batch]
+        K = same_prompt_run(prompts) if share_prompt and takes_logits_to_keep(model) else 1
+        if K > 1:
+            token_logp = shared_prompt_logprobs(model, prompts[::K], chunk, pad_id, temperature).cpu()  # (n, R)
+        else:
+            batch = make_batch(prompts, chunk, pad_id)
+            token_logp = response_logprobs(model, *(t.to(model.device) for t in batch), temperature).cpu()  # (n, R)
         if per_token:
             out += [tuple(row[:len(r)]) for row, r in zip(token_logp.tolist(), chunk)]
         else:
             out += token_logp.sum(dim=1).tolist()
     return out
+
+
+def same_prompt_run(prompts):
+    """K if the prompts come as blocks of K equal ones (K > 1), else 1."""
+    K = next((i for i, p in enumerate(prompts) if p != prompts[0]), len(prompts))
+    same = len(prompts) % K == 0 and all(prompts[i] == prompts[i - i % K] for i in range(len(prompts)))
+    return K if K > 1 and same else 1
 
 
 # -----------------------------------------------------------------------------

@@ -24,9 +24,8 @@ The trainer (tba.py) talks to one `Searchers` object:
 Weights travel through `SharedWeights`: one shared-memory copy of the state dict plus a version counter,
 guarded by a lock; the trainer writes it at every sync and a searcher copies it into its model when the
 version changed. Batches go on one multiprocessing queue per searcher. Nothing is pickled per step.
-Searcher processes are spawned as soon as `Searchers` is created, before the trainer has imported torch or
-loaded a model: importing torch and transformers takes a process about 5 s here, and this way the
-searchers' start-up overlaps with the trainer's instead of following it (`searcher_process`).
+Searcher processes are spawned as soon as `Searchers` is created, before the trainer imports torch: importing
+torch and transformers takes a process ~5 s here, and so overlaps with the trainer's start-up (`searcher_process`).
 
 The loop talks to the trainer through a `link`, so the same loop serves one machine (QueueLink, here) and
 many (ops/distributed.py: the same interface over torch.distributed). The --sync baseline (baselines.py)
@@ -43,6 +42,7 @@ Departures from the official code:
 Run it through a run_*.py script; this module has no entry point of its own.
 """
 
+import importlib
 import math
 import multiprocessing
 import os
@@ -74,7 +74,7 @@ def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weig
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
     try:
-        import transformers.modeling_utils  # noqa: F401  (the bulk of the ~5 s import, done while waiting)
+        importlib.import_module("transformers.models.auto.modeling_auto")  # (the ~5 s import, done while waiting)
         while not stop_event.is_set() and os.getppid() == parent_pid:
             try:
                 job = jobs.get(timeout=0.5)
@@ -165,7 +165,7 @@ class Searcher:
         if behavior is None:  # (vLLM at a loss temperature other than the sampling one) a forward, if needed
             behavior = [()] * len(qids) if self.policy is None else score_logprobs(
                 self.policy, prompts, responses, pad, temperature, cfg.micro_batch, per_token=True)
-        ref_logp = (score_logprobs(self.ref, prompts, responses, pad, temperature, cfg.micro_batch)
+        ref_logp = (score_logprobs(self.ref, prompts, responses, pad, temperature, cfg.micro_batch, share_prompt=cfg.share_prompt)
                     if self.ref is not None else [math.nan] * len(qids))
         ref_version = ref_version if self.ref is not None else -1
         return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,

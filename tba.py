@@ -41,9 +41,9 @@ from tqdm import tqdm
 from baselines import baseline_loss
 from buffer import ReplayBuffer
 from config import Config
-from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, tb_log_Z, tb_trust_region_loss,
-                  vargrad_tb_loss, wsd_schedule)
-from models import autocast, encode_prompts, for_searchers, load_trainer_models, score_logprobs
+from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, shared_prompt_logprobs,
+                  takes_logits_to_keep, tb_log_Z, tb_trust_region_loss, vargrad_tb_loss, wsd_schedule)
+from models import PromptIds, autocast, for_searchers, load_trainer_models, score_logprobs
 from ops.bookkeeping import Bookkeeping
 from ops.launch import launch
 from ops.launch import main as launch_main
@@ -88,7 +88,7 @@ class Run:
     lr_at: object  # step -> learning-rate multiplier (warmup-stable-decay)
     buffer: ReplayBuffer
     searchers: object  # searcher.Searchers, ops/distributed.DistSearchers or baselines.SyncSearch
-    prompt_ids: list  # token ids of the task's training prompts, by query id
+    prompt_ids: dict  # token ids of the task's training prompts, by query id (models.PromptIds: encoded on use)
     start: int = 0  # the first step: 0, or the step of the checkpoint a run resumes from
     ref_version: int = 0  # the step whose policy the reference is (0: the initial model)
     before: dict = None  # the first evaluation's metrics, kept across resumes
@@ -105,7 +105,7 @@ def setup(cfg, task, searchers):
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lr_at = wsd_schedule(opt, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
     run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_query, cfg.seed, cfg.dedup),
-              searchers, encode_prompts(tokenizer, task.prompts))
+              searchers, PromptIds(tokenizer, task.prompts))
     run.books = Bookkeeping(run)
     searchers_state = run.books.restore() if cfg.resume else None  # sets run.start, ref_version, before
     searchers.start(cfg, task, for_searchers(policy), ref, tokenizer, run.start, run.ref_version)
@@ -176,8 +176,12 @@ def train_step(run, groups, step):
 
 
 def policy_logprobs(run, groups):
-    """log pi of every response token of the groups' trajectories, with grad: (N, R), 0 at padding."""
-    flat = [t for g in groups for t in g]
+    """log pi of every response token of the groups' trajectories, with grad: (N, R), 0 at padding. A group's K
+    responses share one prompt, which the forward runs once (--share-prompt) where the model allows it."""
+    flat, cfg = [t for g in groups for t in g], run.cfg
+    if cfg.share_prompt and not cfg.gradient_checkpointing and takes_logits_to_keep(run.policy):
+        return shared_prompt_logprobs(run.policy, [run.prompt_ids[g[0].query_id] for g in groups],
+                                      [t.response_ids for t in flat], run.tokenizer.pad_token_id, cfg.score_temperature)
     batch = make_batch([run.prompt_ids[t.query_id] for t in flat], [t.response_ids for t in flat], run.tokenizer.pad_token_id)
     return response_logprobs(run.policy, *(b.to(run.cfg.device) for b in batch), run.cfg.score_temperature)
 
@@ -193,7 +197,8 @@ def refresh_ref_logp(run, trajectories):
     if stale:
         with autocast(run.cfg, run.cfg.device):
             values = score_logprobs(run.ref, [run.prompt_ids[t.query_id] for t in stale], [t.response_ids for t in stale],
-                                    run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch)
+                                    run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch,
+                                    share_prompt=run.cfg.share_prompt)
         for t, v in zip(stale, values):
             t.ref_logp, t.ref_version = v, run.ref_version
 

@@ -12,9 +12,10 @@ Protocol
     no measured time includes it.
 
 Experiments (--sections)
-  speed      async TBA vs the --sync baseline (same loss, batch and model): seconds from launch to the
-             first evaluation at or above --target (evaluation time excluded), start-up seconds (launch to
-             the first trainer step), final score, the trainer's busy fraction, searcher tokens/s.
+  speed      async TBA vs the --sync baseline (same loss, batch and model), and async without --share-prompt:
+             seconds from launch to the first evaluation at or above --target and to the end of the schedule
+             (evaluation time excluded), seconds per step, start-up seconds (launch to the first trainer step),
+             final score, the trainer's busy fraction, searcher tokens/s.
   staleness  sync period k in {1, 2, 4, 8, 16} for TB, RLOO and GRPO, with per-run diagnostics that can
              explain the result: realised m (fraction of the batch from the latest round), mean and max
              staleness, the latest round's age (steps since a sync last replaced it) and size (trajectories),
@@ -32,6 +33,10 @@ Experiments (--sections)
              clipping and how often it was clipped.
   frontier   TL;DR tiny at k = 10: win rate against KL(pi_sft, pi) for TB, RLOO and Online DPO at several betas and the
              official schedule's shape (the paper reads TL;DR on this frontier, not at one shared beta).
+  trl        this project's async system (TB, RLOO, GRPO) against TRL's GRPOTrainer (bench/peer.py) on the tiny
+             GSM8K preset: time to --target, steps to it, start-up, seconds per step and final score, per seed,
+             and the asymmetries that cannot be matched. Not in the default list: it needs TRL
+             (pip install -r requirements-bench.txt).
 
 Output: one markdown table per section on stdout and in results/<section>.md, a PNG per section in
 results/ (matplotlib, optional), and every run as a row of results/runs.csv (kept across invocations; a
@@ -94,16 +99,24 @@ class BenchConfig:
 
 def speed(cfg):
     cells = {"async": cell(cfg, "run_gsm8k.py", "speed-async", [], cfg.speed_eval_every),  # a core each
+             "async, --no-share-prompt": cell(cfg, "run_gsm8k.py", "speed-async-unshared", ["--no-share-prompt"],
+                                              cfg.speed_eval_every),  # (before the trainer ran each prompt once)
              "sync": cell(cfg, "run_gsm8k.py", "speed-sync", ["--sync", "--trainer-threads", "2"], cfg.speed_eval_every)}
     rows = [{"mode": m, "score (%)": fmt([r["score"] for r in rs], 100),
              f"time to {100 * cfg.target:.0f}% (s)": fmt([r["time_to_target_s"] for r in rs]),
              "reached": f"{sum(r['time_to_target_s'] is not None for r in rs)}/{len(rs)}",
+             "time to the end (s)": fmt([r["end_s"] for r in rs]), "s / step": fmt([r["s_per_step"] for r in rs], digits=3),
              "start-up (s)": fmt([r["startup_s"] for r in rs]), "busy": fmt([r["busy"] for r in rs], digits=2),
              "searcher tokens/s": fmt([r["tokens_per_s"] for r in rs], digits=0)} for m, rs in cells.items()]
-    ratio = [s["time_to_target_s"] / a["time_to_target_s"] for a, s in zip(cells["async"], cells["sync"])
-             if a["time_to_target_s"] and s["time_to_target_s"]]
-    note = (f"time-to-target ratio sync / async, per seed: {', '.join(f'{x:.2f}' for x in ratio) or 'n/a'} "
-            f"(mean {fmt(ratio, digits=2)})")
+    pairs = list(zip(cells["async"], cells["sync"]))
+    ratio = [s["time_to_target_s"] / a["time_to_target_s"] for a, s in pairs if a["time_to_target_s"] and s["time_to_target_s"]]
+    end = [s["end_s"] / a["end_s"] for a, s in pairs]
+    steps = len(cells["async"][0]["curve"]) and cells["async"][0]["curve"][-1][0]  # the schedule's last step
+    bound = [(s["startup_s"] + steps * s["s_per_step"]) / (a["startup_s"] + steps * a["s_per_step"]) for a, s in pairs]
+    per_seed = lambda xs: f"{', '.join(f'{x:.2f}' for x in xs) or 'n/a'} (mean {fmt(xs, digits=2)})"
+    note = (f"time-to-target ratio sync / async, per seed: {per_seed(ratio)}\n\nfull schedule, time to the end "
+            f"sync / async, per seed: {per_seed(end)}; from each run's start-up and seconds per step, (start-up + "
+            f"{steps} x s/step) sync / async: {per_seed(bound)}")
     return cells, table(rows) + "\n\n" + note
 
 
@@ -155,13 +168,78 @@ def tldr(cfg):
 
 
 
+PEER_ASYMMETRIES = """Matched (bench/peer.py's `trl_args`, read from the resolved tiny GSM8K config): the SFT warm start, the \
+training prompts, the reward (the task's scorer), the held-out problems and the evaluation code, K responses x Q \
+prompts per step, the steps, AdamW's learning rate and weight decay, the warmup-stable-decay schedule, gradient \
+clipping (none), the sampling temperature, max new tokens, beta, dtype, seed, 2 CPU threads. Not matched: TRL \
+generates and trains one after the other in one process with 2 threads, this project in a searcher and a trainer \
+process with 1 thread each; TRL's GRPO is its own (token-level "dapo" loss, rewards scaled by the group's std, a k3 \
+KL term with beta that costs a reference forward per step, on-policy so its ratio clip never acts) where this \
+project's GRPO has no KL term and trains on its buffer; TRL steps its scheduler after each update, so its learning \
+rates lag this project's by one step; its AdamW is torch's fused one (its default)."""
+
+
+def trl(cfg):
+    """TRL's GRPOTrainer (bench/peer.py) against this project's async system with TB, RLOO and GRPO, on the tiny
+    GSM8K preset: time to the target, steps to it, start-up, seconds per step and final score, per seed. The TB
+    cell is the speed section's async cell (shared under --reuse)."""
+    flags = {"TB": ("speed-async", []), "RLOO": ("peer-rloo", ["--objective", "rloo"]),
+             "GRPO": ("peer-grpo", ["--objective", "grpo"])}
+    cells = {f"{o} (this project, async)": cell(cfg, "run_gsm8k.py", n, f, cfg.speed_eval_every) for o, (n, f) in flags.items()}
+    cells["GRPO (TRL GRPOTrainer)"] = cell(cfg, "bench/peer.py", "peer-trl", [], cfg.speed_eval_every)
+    target = f"{100 * cfg.target:.0f}%"
+    rows = [{"system": name, "seed": r["seed"], f"time to {target} (s)": r["time_to_target_s"] or "not reached",
+             f"steps to {target}": r["steps_to_target"] or "-", "start-up (s)": r["startup_s"],
+             "s / step": f"{r['s_per_step']:.2f}", "final score (%)": f"{100 * r['score']:.1f}"}
+            for name, rs in cells.items() for r in rs]
+    summary = [{"system": name, f"median time to {target} (s)": median([r["time_to_target_s"] for r in rs]),
+                "reached": f"{sum(r['time_to_target_s'] is not None for r in rs)}/{len(rs)}",
+                f"median steps to {target}": median([r["steps_to_target"] for r in rs]),
+                "start-up (s)": fmt([r["startup_s"] for r in rs]), "s / step": fmt([r["s_per_step"] for r in rs], digits=2),
+                "final score (%)": fmt([r["score"] for r in rs], 100)} for name, rs in cells.items()]
+    trl_median = median([r["time_to_target_s"] for r in cells["GRPO (TRL GRPOTrainer)"]])
+    ratios = "; ".join(f"{name.split(' ')[0]} {trl_median / t:.2f}" for name, rs in cells.items()
+                       if "async" in name and (t := median([r["time_to_target_s"] for r in rs])))
+    plot_time(cells, os.path.join(cfg.out, "trl_time.png"), cfg.target)
+    return cells, (table(summary) + f"\n\nmedian time to {target}, TRL / this project: {ratios or 'n/a'}\n\nper seed\n\n"
+                   + table(rows) + "\n\n" + PEER_ASYMMETRIES)
+
+
+def median(values):
+    """The median of the values that are not None (a run that never reached the target counts as never)."""
+    values = sorted(v if v is not None else math.inf for v in values)
+    if not values:
+        return None
+    m = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+    return None if math.isinf(m) else round(m, 1)
+
+
+def plot_time(cells, path, target):
+    """Headline score against seconds since launch (evaluation excluded), a line per run, a colour per system."""
+    plt = pyplot(path)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, rows) in enumerate(cells.items()):
+        for j, r in enumerate(rows):
+            ax.plot(*zip(*r["curve_s"]), color=plt.get_cmap("tab10")(i), alpha=0.7, label=name if j == 0 else None)
+    ax.axhline(target, color="grey", linestyle=":")
+    ax.set(xlabel="seconds since launch (evaluation excluded)", ylabel="held-out accuracy",
+           title="Tiny GSM8K: this project against TRL's GRPOTrainer")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "tldr": tldr,
-            "ablations": ablations, "frontier": frontier}
+            "ablations": ablations, "frontier": frontier, "trl": trl}
 TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyness: sync period k (tiny GSM8K)",
           "buffer": "The buffer: m and prioritisation, TB (tiny GSM8K)", "tba_prime": "TBA' against beta decay (tiny GSM8K)",
           "tldr": "Table 1 in miniature: TL;DR at k = 10, m = 0.5 (tiny TL;DR)",
           "ablations": "Why TB trails the clipped baselines off-policy: one change at a time (tiny GSM8K)",
-          "frontier": "TL;DR at k = 10: win rate against KL, by beta (tiny TL;DR)"}
+          "frontier": "TL;DR at k = 10: win rate against KL, by beta (tiny TL;DR)",
+          "trl": "This project against TRL's GRPOTrainer (tiny GSM8K)"}
 
 
 # -----------------------------------------------------------------------------
@@ -198,8 +276,8 @@ def main(argv=None):
         cfg.seeds, cfg.sections, cfg.stale_k, cfg.stale_objectives = 2, "speed,staleness", "2,16", "tb,grpo"
     chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
-    runs_per_seed = {"speed": 2, "staleness": math.prod(map(len, stale_grid(cfg))), "buffer": 4 if cfg.quick else 6,
-                     "tba_prime": 2, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(","))}
+    runs_per_seed = {"speed": 3, "staleness": math.prod(map(len, stale_grid(cfg))), "buffer": 4 if cfg.quick else 6,
+                     "tba_prime": 2, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(",")), "trl": 4}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
           f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached"

@@ -1,7 +1,8 @@
 """
 Peak memory of one trainer step on a model with a real vocabulary: a random Qwen2-shaped model with Qwen2.5's
 151,936-token vocabulary (tied embeddings), 8 rows of a 512-token prompt and a 64-token response, the VarGrad TB
-loss, backward and an AdamW step, exactly as tba.train_step computes them (loss.response_logprobs). Each row of
+loss, backward and an AdamW step, as tba.train_step computes them with --no-share-prompt (loss.response_logprobs;
+the 8 rows have 8 different prompts, so there would be nothing to share). Each row of
 the table runs in a fresh process; the number is how far the step's peak resident memory (ru_maxrss) rose above
 what the process held just before it (VmRSS), so it counts activations, logits, gradients and the optimiser's
 state (the model's weights were there before).

@@ -75,21 +75,26 @@ def summarise(records, headline, target):
     """A run's row from its metrics.jsonl records (training steps and evaluations)."""
     steps = [r for r in records if "loss/train" in r]
     evals = [r for r in records if r.get(headline) is not None]
-    hit = next((r["time/eval_since_launch"] for r in evals if r[headline] >= target), None)
+    hit = next((r for r in evals if r[headline] >= target), None)
     mean = lambda key: _mean([r[key] for r in steps if r.get(key) is not None and not math.isnan(r[key])])
     trained = [r for r in evals if r["step"] > 0]  # the evaluation before training never counts in the score
     return {"score": _mean([r[headline] for r in trained[-3:]]), "before": evals[0][headline],
-            "time_to_target_s": None if hit is None else round(hit, 1),
+            "time_to_target_s": None if hit is None else round(hit["time/eval_since_launch"], 1),
+            "steps_to_target": None if hit is None else hit["step"],
             "startup_s": round(steps[0]["time/since_launch"] - steps[0]["time/train"], 1),
-            "busy": steps[-1]["perf/busy"], "tokens_per_s": steps[-1]["perf/tokens_per_s"],
+            "s_per_step": (steps[-1]["time/since_launch"] - steps[0]["time/since_launch"]) / max(1, len(steps) - 1),
+            "end_s": round(steps[-1]["time/since_launch"], 1),  # launch to the last step's end, evaluation excluded
+            "busy": steps[-1].get("perf/busy"), "tokens_per_s": steps[-1].get("perf/tokens_per_s"),
             "latest_frac": mean("buffer/latest_frac"), "staleness_mean": mean("staleness/mean"),
-            "staleness_max": max(r["staleness/max"] for r in steps), "grad_norm": mean("grad/norm"),
+            "staleness_max": max((r["staleness/max"] for r in steps if "staleness/max" in r), default=math.nan),
+            "grad_norm": mean("grad/norm"),
             "kl": mean("loss/kl"), "log_Z_std": mean("loss/log_Z_std"), "eval_kl": evals[-1].get("eval/kl"),
             "round_age": mean("buffer/round_age"), "latest_size": mean("buffer/latest"),
             "drift": mean("offpolicy/drift"), "drift_p90": mean("offpolicy/drift_p90"),
             "ratio_out": mean("offpolicy/ratio_out"), "clip_frac": mean("offpolicy/clip_frac"),
             "grad_clipped": mean("grad/clipped"),
-            "curve": [(r["step"], r[headline]) for r in evals]}
+            "curve": [(r["step"], r[headline]) for r in evals],
+            "curve_s": [(r["time/eval_since_launch"], r[headline]) for r in evals]}
 
 
 def _mean(values):
@@ -127,11 +132,13 @@ def cell(cfg, script, name, flags, eval_every=None):
 
 
 WARM = set()  # (script, seed) pairs whose warm start is known to be cached
+WARM_START_OF = {"bench/peer.py": "run_gsm8k.py"}  # a script that trains another's warm start (TRL: GSM8K's)
 
 
 def warm_up(cfg, script):
     """Build (or find) each seed's cached warm start with a 1-step run, so that no measured run includes it:
     a run's seconds from launch then mean the same thing whichever run of a seed comes first."""
+    script = WARM_START_OF.get(script, script)
     for seed in range(cfg.seeds):
         if (script, seed) not in WARM:
             cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--steps", "1", "--overwrite",
@@ -178,7 +185,7 @@ def write_runs(path, rows):
     old = read_runs(path)
     names = {r["name"] for r in rows}
     rows = [r for r in old if r["name"] not in names] + rows
-    columns = list(dict.fromkeys(c for r in rows for c in r if c != "curve"))
+    columns = list(dict.fromkeys(c for r in rows for c in r if not c.startswith("curve")))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

@@ -4,8 +4,11 @@ The benchmark's bookkeeping (python -m bench): the interval and run summary, --r
 Run: python -m pytest -q tests/test_bench.py
 """
 
+import importlib.util
 import json
 import math
+
+import torch
 
 import pytest
 
@@ -29,6 +32,7 @@ def test_bench_interval_and_run_summary():
     row = bench.summarise(BENCH_RECORDS, "eval/accuracy", target=0.7)
     assert row["score"] == pytest.approx((0.75 + 0.65 + 0.8) / 3), "the mean of the last three evaluations"
     assert row["time_to_target_s"] == 9.0 and row["startup_s"] == pytest.approx(5.7) and row["staleness_max"] == 3
+    assert row["steps_to_target"] == 10 and row["s_per_step"] == pytest.approx(1.0), "steps 0-2 at 6, 7, 8 s"
     short = bench.summarise(BENCH_RECORDS[:-2], "eval/accuracy", target=0.7)  # evaluations at steps 0 and 10 only
     assert short["score"] == 0.75, "the evaluation before training never counts in the score"
 
@@ -85,3 +89,75 @@ def test_bench_ablation_and_frontier_sections_tabulate(tmp_path, monkeypatch):
 def bench_plots():
     import importlib.util
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def test_bench_trl_section_tabulates_per_seed_and_ratio(tmp_path, monkeypatch):
+    from bench import evidence, protocol as bench
+    cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2)
+    made = []
+
+    def fake_run(cfg, script, name, flags, seed, eval_every=None):  # TRL's runs reach 70% at 18 s, ours at 9 s
+        made.append((script, name))
+        late = [dict(r, **{"time/eval_since_launch": 2 * r["time/eval_since_launch"]}) if "eval/accuracy" in r else r
+                for r in BENCH_RECORDS]
+        return {**bench.summarise(late if "trl" in name else BENCH_RECORDS, "eval/accuracy", 0.7), "name": name, "seed": seed}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    cells, text = evidence.trl(cfg)
+    assert ("run_gsm8k.py", "speed-async-seed1") in made, "TB's cell is the speed section's async cell"
+    assert ("bench/peer.py", "peer-trl-seed0") in made and len(made) == 8
+    assert "TRL / this project: TB 2.00; RLOO 2.00; GRPO 2.00" in text
+    assert "| GRPO (TRL GRPOTrainer) | 1 | 18.0 | 10 | 5.7 | 1.00 | 73.3 |" in text
+    assert evidence.median([3.0, None, 1.0]) == 3.0 and evidence.median([None, None, 1.0]) is None
+
+
+def test_bench_speed_section_compares_time_to_target_and_to_the_end(tmp_path, monkeypatch):
+    from bench import evidence, protocol as bench
+    cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2)
+
+    def fake_run(cfg, script, name, flags, seed, eval_every=None):  # --sync runs take twice as long
+        slow = lambda r: {**r, **{k: 2 * v for k, v in r.items() if k.startswith("time/") and "--sync" in flags}}
+        return {**bench.summarise([slow(r) for r in BENCH_RECORDS], "eval/accuracy", 0.7), "name": name, "seed": seed}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    cells, text = evidence.speed(cfg)
+    assert list(cells) == ["async", "async, --no-share-prompt", "sync"]
+    assert "| async | 73.3 ± 0.0 | 9.0 ± 0.0 | 2/2 | 8.0 ± 0.0 | 1.000 ± 0.000 | 5.7 ± 0.0 |" in text
+    assert "time-to-target ratio sync / async, per seed: 2.00, 2.00" in text
+    assert "time to the end sync / async, per seed: 2.00, 2.00" in text and "(start-up + 30 x s/step)" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is an optional bench dependency")
+def test_trl_trainer_gets_the_projects_hyperparameters(tmp_path):
+    """bench/peer.py's mapping: the GRPOTrainer TRL builds from the resolved tiny GSM8K config has its K, batch,
+    steps, optimiser, learning-rate schedule (shifted by the one step TRL's scheduler lags), clipping, sampling,
+    beta and seed, and the task's own reward."""
+    from bench import peer
+    from config import parse_config
+    from loss import wsd_schedule
+    from rewards import GSM8KTask
+    from run_gsm8k import PRESETS, GSM8KConfig, make_dataset
+    from tests.helpers import _tiny_random_hf_model
+    rows = make_dataset(40, 0, 9, 9, 2)
+    task = GSM8KTask.from_rows(rows[:32], rows[32:])
+    model = _tiny_random_hf_model("llama", tmp_path / "model", [task.prompts[0] + r["answer"] for r in rows])
+    cfg, _ = parse_config(GSM8KConfig, PRESETS, ["--model", model, "--run-dir", str(tmp_path / "run"), "--seed", "3"])
+    trainer = peer.make_trainer(cfg, task, clock=None)
+    args = trainer.args
+    assert trainer.num_generations == cfg.responses_per_query == 8 and args.per_device_train_batch_size == cfg.batch_size
+    assert args.per_device_train_batch_size // trainer.num_generations == cfg.num_queries and args.gradient_accumulation_steps == 1
+    assert (args.max_steps, args.seed, trainer.temperature, trainer.max_completion_length, trainer.beta) == \
+        (cfg.steps, 3, cfg.temperature, cfg.max_new_tokens, cfg.beta_start)
+    assert args.max_grad_norm == cfg.grad_clip == 0.0 and not args.gradient_checkpointing and not args.bf16
+    trainer.create_optimizer_and_scheduler(cfg.steps)
+    group = trainer.optimizer.param_groups[0]
+    assert type(trainer.optimizer).__name__ == "AdamW" and group["weight_decay"] in (cfg.weight_decay, 0.0)
+    ours = wsd_schedule(torch.optim.SGD([torch.zeros(1)], lr=1.0), cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps,
+                        cfg.lr_floor, cfg.lr_decay)
+    theirs = trainer.lr_scheduler.lr_lambdas[0]
+    assert [theirs(s + 1) for s in range(cfg.steps)] == pytest.approx([ours(s) for s in range(cfg.steps)]), \
+        "TRL's update s + 1 has this project's learning rate of update s"
+    assert group["initial_lr"] == cfg.lr and theirs(0) == pytest.approx(cfg.lr_floor), "TRL's first update: the floor"
+    reward = trainer.reward_funcs[0]
+    answer = rows[0]["answer"].split("####")[-1].strip()
+    assert reward([task.prompts[0]] * 2, [f"#### {answer}", "#### -1"], [task.metas[0]] * 2) == [1.0, 0.0]

@@ -9,7 +9,7 @@ Run: python -m pytest -q tests/test_models.py
 import pytest
 import torch
 
-from loss import make_batch, response_logprobs
+from loss import make_batch, response_logprobs, shared_prompt_logprobs
 from models import HFGenerator, completions, cut_at_eos, load_model, score_logprobs, stop_ids
 from tests.helpers import _tiny_qwen2, _tiny_random_hf_model
 
@@ -69,6 +69,41 @@ def test_behaviour_logprobs_come_with_generation_and_equal_a_forward(tmp_path, a
                                  score_temperature, micro_batch=64, per_token=True)
         assert [len(t) for t in token_logp] == [len(r) for r in responses]
         assert max(abs(a - b) for x, y in zip(token_logp, forward) for a, b in zip(x, y)) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "qwen2-lora"])
+def test_shared_prompt_logprobs_equal_the_full_forward_and_its_gradient(tmp_path, arch):
+    """Each prompt run once for its K responses (--share-prompt): the same log-probs and the same gradient as the
+    forward over every (prompt, response) row, prompts of different lengths, responses of different lengths."""
+    from models import load_trainer_models
+    if arch.endswith("lora"):
+        pytest.importorskip("peft")
+    path = (_tiny_qwen2(tmp_path / "qwen", TEXTS) if arch.startswith("qwen2")
+            else _tiny_random_hf_model(arch.replace("_", ""), tmp_path, TEXTS))
+    policy, _, tokenizer = load_trainer_models(_cfg(model=path, lora_rank=4 if arch.endswith("lora") else 0))
+    torch.manual_seed(0)
+    with torch.no_grad():  # (LoRA: adapters that change the model)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    prompts = [tokenizer(t)["input_ids"] for t in ("the cat says", "hello", "yes no maybe yes")]
+    responses = [tokenizer(t)["input_ids"][:n] + [tokenizer.eos_token_id][:e] for t in TEXTS[:3]
+                 for n, e in ((1, 1), (4, 0), (2, 1))]  # K = 3 per prompt
+    results = []
+    for shared in (True, False):
+        logp = (shared_prompt_logprobs(policy, prompts, responses, tokenizer.pad_token_id, 0.7) if shared else
+                response_logprobs(policy, *make_batch([p for p in prompts for _ in range(3)], responses,
+                                                      tokenizer.pad_token_id), 0.7))
+        grads = torch.autograd.grad((logp * torch.arange(1.0, 1 + logp.numel()).view_as(logp)).sum(),
+                                    [p for p in policy.parameters() if p.requires_grad])
+        results.append((logp.detach(), grads))
+    (shared, g_shared), (full, g_full) = results
+    assert shared.shape == full.shape == (9, max(map(len, responses)))
+    assert torch.allclose(shared, full, atol=1e-5), (shared - full).abs().max()
+    assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(g_shared, g_full))
+    from models import same_prompt_run  # (score_logprobs finds the blocks of one prompt itself)
+    assert [same_prompt_run(p) for p in ([[1], [1], [2], [2]], [[1], [2]], [[1]] * 3, [[1], [1], [2]], [[1], [1], [2], [1]])] == \
+        [2, 1, 3, 1, 1]
 
 
 def _cfg(**fields):
