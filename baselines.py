@@ -184,6 +184,9 @@ class SyncSearch:
         buffer.add(items)
         return items
 
+    def pause(self, paused):
+        pass  # (nothing runs beside the trainer)
+
     def check_alive(self):
         pass
 

@@ -154,7 +154,7 @@ def shared_prompt_logprobs(model, prompts, responses, pad_id, temperature=1.0):
     """
     `response_logprobs` for Q prompts with K responses each, every prompt run through the model once: the same
     (Q K, R) log-probs as response_logprobs on make_batch([each prompt K times], responses), in the same
-    layout, for 1/K of the prompt's compute (half the step on the tiny GSM8K preset, whose prompts are 5x its
+    layout, for 1/K of the prompt's compute (half the step on the tiny GSM8K preset, whose prompts are ~6x its
     responses). prompts: Q token-id lists; responses: Q K token-id lists, query-major (K per prompt).
 
     The prompts' forward keeps its keys and values (transformers' KV cache, with grad); each is repeated for its

@@ -19,13 +19,12 @@ The trainer (tba.py) talks to one `Searchers` object:
     searchers.merge(buffer, step)     drain what arrived into the buffer as one round (the first merge waits
                                       for --initial-completions trajectories); returns the new trajectories
     searchers.publish(policy, version), publish_ref(ref, version)   new weights for the searchers
+    searchers.pause(True), pause(False)   hold the searchers (while the trainer evaluates), let them go on
     searchers.check_alive()           raise SearcherDied if one died or went silent (or restart it)
     searchers.close()                 stop every process
 Weights travel through `SharedWeights`: one shared-memory copy of the state dict plus a version counter,
 guarded by a lock; the trainer writes it at every sync and a searcher copies it into its model when the
 version changed. Batches go on one multiprocessing queue per searcher. Nothing is pickled per step.
-Searcher processes are spawned as soon as `Searchers` is created, before the trainer imports torch: importing
-torch and transformers takes a process ~5 s here, and so overlaps with the trainer's start-up (`searcher_process`).
 
 The loop talks to the trainer through a `link`, so the same loop serves one machine (QueueLink, here) and
 many (ops/distributed.py: the same interface over torch.distributed). The --sync baseline (baselines.py)
@@ -68,7 +67,7 @@ class StopRequested(Exception):
 # -----------------------------------------------------------------------------
 # A searcher process
 
-def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weights, parent_pid):
+def searcher_process(rank, jobs, out_queue, stop_event, pause_event, policy_weights, ref_weights, parent_pid):
     """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it.
     Stop signals are the trainer's to handle: a searcher ends when told to or when the trainer is gone."""
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -81,7 +80,7 @@ def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weig
             except queue.Empty:
                 continue
             policy_weights.tensors, ref_weights.tensors = job["policy"], job["ref"]
-            link = QueueLink(policy_weights, ref_weights, out_queue, stop_event, parent_pid)
+            link = QueueLink(policy_weights, ref_weights, out_queue, stop_event, pause_event, parent_pid)
             searcher_main(rank, job["cfg"], job["task"], job["seed"], link)
             return
     finally:
@@ -90,9 +89,9 @@ def searcher_process(rank, jobs, out_queue, stop_event, policy_weights, ref_weig
 
 def searcher_main(rank, cfg, task, seed, link):
     """The work of a searcher, whatever started it. `link` is its connection to the trainer (QueueLink, or
-    ops/distributed.StoreLink): link.alive() is False once the trainer said stop or is gone; link.pull(kind,
-    model, version) copies newer "policy" or "ref" weights into the model and returns the version it holds;
-    link.put(batch) sends a batch, waiting while the trainer's queue is full. An error exits it non-zero."""
+    ops/distributed.StoreLink): link.alive() is False once the trainer said stop or is gone (and waits while it holds
+    the run); link.pull(kind, model, version) copies newer "policy" or "ref" weights into the model and returns the
+    version it holds; link.put(batch) sends a batch, waiting while the trainer's queue is full. Errors exit non-zero."""
     import torch
     from models import autocast, dtype_of, load_model
     from ops.devices import claim_gpu
@@ -175,8 +174,7 @@ class Searcher:
 
 
 class PromptSampler:
-    """Endless batches of query ids from one searcher's shard, reshuffled every pass; its state can be saved.
-    With fewer prompts than searchers (red-teaming has one prompt), every searcher cycles through all of them."""
+    """Endless batches of query ids from one searcher's shard (every prompt if fewer than searchers), reshuffled every pass."""
 
     def __init__(self, num_prompts, rank, world, batch_size, seed):
         self.shard = list(range(rank, num_prompts, world)) or list(range(num_prompts))
@@ -202,14 +200,12 @@ class PromptSampler:
 
 
 def json_rng_state(state):
-    """random.Random.getstate() as JSON-friendly lists."""
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
+    """random.Random.getstate() (version, internal state, gauss) as JSON-friendly lists."""
+    return [state[0], list(state[1]), state[2]]
 
 
 def tuple_rng_state(state):
-    version, internal, gauss = state
-    return version, tuple(internal), gauss
+    return state[0], tuple(state[1]), state[2]
 
 
 # -----------------------------------------------------------------------------
@@ -221,7 +217,7 @@ class Searchers:
     def __init__(self, cfg):
         self.cfg = cfg
         self.ctx = multiprocessing.get_context("spawn")  # CUDA-safe; each child imports what it needs
-        self.stop_event = self.ctx.Event()
+        self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
         self.policy_weights, self.ref_weights = SharedWeights(self.ctx), SharedWeights(self.ctx)
         n = cfg.num_searchers
         self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
@@ -235,7 +231,7 @@ class Searchers:
         self.jobs[rank] = self.ctx.Queue(maxsize=1)
         self.procs[rank] = self.ctx.Process(
             target=searcher_process, name=f"searcher-{rank}", daemon=True,
-            args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.policy_weights, self.ref_weights,
+            args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.pause_event, self.policy_weights, self.ref_weights,
                   os.getpid()))
         self.procs[rank].start()
         self.last_heard[rank] = time.time()
@@ -266,6 +262,11 @@ class Searchers:
 
     def publish(self, policy, version):
         self.policy_weights.publish(policy, version)
+
+    def pause(self, paused):
+        """Hold the searchers after their current batch (an evaluation: the run's clocks stop), or let them go on."""
+        (self.pause_event.set if paused else self.pause_event.clear)()
+        self.last_heard = [time.time()] * len(self.procs)  # (a held searcher is not a silent one)
 
     def publish_ref(self, ref, version):
         self.ref_weights.publish(ref, version)
@@ -344,10 +345,8 @@ def merge_round(searchers, buffer, step):
 
 
 class SharedWeights:
-    """A state dict in shared memory and a version counter: the trainer publishes, searchers pull.
-
-    The counter and its lock exist from the start and travel to each searcher as it is spawned; the tensors
-    are allocated by `allocate` once the trainer has its model, and travel with the searchers' job."""
+    """A state dict in shared memory and a version counter: the trainer publishes, searchers pull. The counter and
+    its lock travel to each searcher as it is spawned; the tensors (`allocate`, once the trainer has its model) with its job."""
 
     def __init__(self, ctx):
         self.version = ctx.Value("q", -1)  # the trainer step whose weights the tensors hold
@@ -374,15 +373,16 @@ class SharedWeights:
 
 
 class QueueLink:
-    """A searcher process's connection to the trainer on one machine (searcher_main's `link`): the shared
-    weights, its own queue, the stop event."""
+    """A searcher process's connection to the trainer on one machine (searcher_main's `link`): weights, queue, events."""
 
-    def __init__(self, policy_weights, ref_weights, out_queue, stop_event, parent_pid):
+    def __init__(self, policy_weights, ref_weights, out_queue, stop_event, pause_event, parent_pid):
         self.weights = {"policy": policy_weights, "ref": ref_weights}
-        self.out_queue, self.stop_event, self.parent_pid = out_queue, stop_event, parent_pid
+        self.out_queue, self.stop_event, self.pause_event, self.parent_pid = out_queue, stop_event, pause_event, parent_pid
 
     def alive(self):
-        """False once the trainer said stop or is gone."""
+        """False once the trainer said stop or is gone; waits while the trainer holds the run (an evaluation)."""
+        while self.pause_event.is_set() and not self.stop_event.is_set() and os.getppid() == self.parent_pid:
+            time.sleep(0.01)
         return not self.stop_event.is_set() and os.getppid() == self.parent_pid
 
     def pull(self, kind, model, have_version):

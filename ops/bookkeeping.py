@@ -150,8 +150,10 @@ class Bookkeeping:
         """The task's evaluation of the current policy, printed, as eval/<name> metrics (not counted as run time)."""
         run, t0 = self.run, time.time()
         n = self.cfg.eval_size or len(run.task.eval_prompts)
+        run.searchers.pause(True)  # the searchers wait too: the clocks stop for the whole run, not the trainer alone
         with autocast(self.cfg, self.cfg.device):
             metrics = run.task.evaluate(Policy(self.cfg, run.policy, run.ref, run.tokenizer), n)
+        run.searchers.pause(False)
         example = metrics.pop("example", None)
         self.tracker.samples(step, metrics.pop("samples", []))
         seconds = time.time() - t0

@@ -193,6 +193,9 @@ class DistSearchers:
         if self.send_ref:
             self.sender.send([("ref", version, ref)], wait=True)
 
+    def pause(self, paused):
+        pass  # searcher ranks are not held during an evaluation (they go on generating: time the bench on one machine)
+
     def check_alive(self):
         """A failed weight transfer, or a searcher silent for --searcher-timeout, ends the run naming its rank."""
         if self.sender.error:

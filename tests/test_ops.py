@@ -510,3 +510,26 @@ def _wandb_history(data):
             except (UnicodeDecodeError, ValueError):
                 continue
     return items
+
+
+def test_an_evaluation_holds_the_searchers_and_a_stop_still_ends_them():
+    """Searchers.pause(True) (the trainer evaluates) holds a searcher's loop in link.alive() until pause(False);
+    a stop ends the wait; a held searcher is not taken for a silent one."""
+    import multiprocessing
+    from searcher import QueueLink
+    ctx = multiprocessing.get_context("spawn")
+    stop, pause = ctx.Event(), ctx.Event()
+    link = QueueLink(None, None, None, stop, pause, os.getppid())
+    pause.set()
+    answers = []
+    waiter = threading.Thread(target=lambda: answers.append((link.alive(), time.time())))
+    waiter.start()
+    time.sleep(0.3)
+    assert not answers, "held while the trainer evaluates"
+    released = time.time()
+    pause.clear()
+    waiter.join(timeout=5)
+    assert answers and answers[0][0] and answers[0][1] >= released
+    pause.set()
+    stop.set()
+    assert link.alive() is False, "a stop ends the wait"
