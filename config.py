@@ -110,7 +110,8 @@ class Config:
                                             "is masked once its ratio pi/mu has left [1 - eps, 1 + eps] the way "
                                             "the residual pushes it")
     # evaluation and logging
-    eval_every: int = eval_(100, "evaluate the policy every this many steps (0: at the start and the end only)")
+    eval_every: int = eval_(100, "evaluate the policy every this many steps (0: at the start and the end only); "
+                                 "the searchers wait meanwhile")
     eval_size: int = eval_(0, "held-out prompts per evaluation (0: all)")
     eval_batch_size: int = eval_(64, "prompts per evaluation generation batch")
     log_every: int = eval_(1, "print a metrics line every this many steps (metrics.jsonl gets every step)")
