@@ -175,9 +175,8 @@ clipping (none), the sampling temperature, max new tokens, beta, dtype, seed, 2 
 generates and trains one after the other in one process with 2 threads, this project in a searcher and a trainer \
 process with 1 thread each; TRL's GRPO is its own (token-level "dapo" loss, rewards scaled by the group's std, a k3 \
 KL term with beta that costs a reference forward per step, on-policy so its ratio clip never acts) where this \
-project's GRPO has no KL term and trains on its buffer; this project's searcher goes on generating while the trainer \
-evaluates (evaluation time is excluded from every clock), so each evaluation hands its trainer about two searcher \
-batches that TRL's one loop does not get; TRL steps its scheduler after each update, so its learning rates lag this \
+project's GRPO has no KL term and trains on its buffer; evaluation time is excluded from every clock (this \
+project's searchers are held meanwhile, so neither system works off the clock); TRL steps its scheduler after each update, so its learning rates lag this \
 project's by one step; its AdamW is torch's fused one (its default)."""
 
 

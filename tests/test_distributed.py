@@ -25,7 +25,7 @@ import types
 import pytest
 import torch
 
-from tests.helpers import _alive, _descendants  # the process-tree helpers of the single-machine fault tests
+from tests.helpers import TINY_SFT, _alive, _descendants  # the process-tree helpers of the single-machine fault tests
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command of this Python
@@ -90,7 +90,7 @@ def test_same_trajectories_through_both_transports_give_identical_buffers(monkey
 
     local = Searchers(cfg())
     try:
-        links = [QueueLink(None, None, q, local.stop_event, os.getppid()) for q in local.queues]
+        links = [QueueLink(None, None, q, local.stop_event, local.pause_event, os.getppid()) for q in local.queues]
         local_buffer, local_merged = _merge_stream(local, links, rounds)
         local_sample = [[dataclasses.asdict(t) for t in g] for g in _draw(local_buffer, local.cfg)]
     finally:
@@ -211,7 +211,7 @@ def test_after_a_publish_every_searcher_holds_the_trainers_weights():
 def tiny_flags(run_dir, cache_dir, *extra):
     """The tiny preset shrunk to seconds (as tests/helpers.tiny_args)."""
     return ["run_gsm8k.py", "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(run_dir),
-            "--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-steps", "20", "--eval-size", "20",
+            *TINY_SFT, "--eval-size", "20",
             "--initial-completions", "64", "--max-new-tokens", "24", "--log-every", "1", *extra]
 
 

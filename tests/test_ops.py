@@ -21,8 +21,8 @@ import torch
 from buffer import ReplayBuffer
 from config import ConfigError
 from rewards import GSM8KTask, load_gsm8k
-from tests.helpers import (ROOT, _alive, _bpe_tokenizer, _children, _descendants, _popen, _start_and_wait_for_training,
-                           _start_in_the_warm_start, _wait_gone, read_metrics, tiny_args)
+from tests.helpers import (ROOT, TINY_SFT, _alive, _bpe_tokenizer, _children, _descendants, _popen,
+                           _start_and_wait_for_training, _start_in_the_warm_start, _wait_gone, read_metrics, tiny_args)
 
 
 def test_load_gsm8k_errors(tmp_path):
@@ -198,7 +198,7 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
     from ops.bookkeeping import NonFiniteError
     cfg, _ = config.parse_config(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, [
         "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(tmp_path / "run"), "--sync",
-        "--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-steps", "20", "--eval-size", "4",
+        *TINY_SFT, "--eval-size", "4",
         "--max-new-tokens", "8", "--steps", "50", "--max-nonfinite-steps", "3"])
     os.makedirs(cfg.run_dir)
     task = run_gsm8k.make_task(cfg, "tiny")
