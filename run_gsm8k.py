@@ -48,7 +48,7 @@ TINY = dict(
     # (TB 72.3 against 69.3%, GRPO 87.5 against 86.0%, 4 seeds; docs/results.md, "diagnosed")
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,  # constant beta
     sync_every=4, m=0.95, capacity_per_query=64,
-    initial_completions=64,  # one batch (the official fill is 500 of 98,000 episodes); a larger fill is unmeasured
+    initial_completions=64,  # one batch (official: 500 of 98,000 episodes); 1024 did no better (docs/results.md)
     eval_every=50, eval_size=0, eval_batch_size=100, log_every=10, checkpoint_every=100, searcher_timeout=60.0,
 )
 
