@@ -176,8 +176,8 @@ generates and trains one after the other in one process with 2 threads, this pro
 process with 1 thread each; TRL's GRPO is its own (token-level "dapo" loss, rewards scaled by the group's std, a k3 \
 KL term with beta that costs a reference forward per step, on-policy so its ratio clip never acts) where this \
 project's GRPO has no KL term and trains on its buffer; evaluation time is excluded from every clock (this \
-project's searchers are held meanwhile, so neither system works off the clock); TRL steps its scheduler after each update, so its learning rates lag this \
-project's by one step; its AdamW is torch's fused one (its default)."""
+project's searchers are held meanwhile, so neither system works off the clock); TRL steps its scheduler after \
+each update, so its learning rates lag this project's by one step; its AdamW is torch's fused one (its default)."""
 
 
 def trl(cfg):

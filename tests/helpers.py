@@ -19,13 +19,13 @@ GSM8K_DIR = os.path.join(ROOT, "..", "shared", "data", "gsm8k")  # real GSM8K, f
 # The shrunk preset's SFT: 80 steps make ~3% of sampled answers right (20 made ~1%, and a run with not one
 # reward never moves: with pi = pi_ref and equal rewards every objective's gradient is exactly 0).
 TINY_SFT = ["--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-steps", "80"]
+TINY_RUN = [*TINY_SFT, "--eval-size", "20", "--initial-completions", "64", "--max-new-tokens", "24", "--log-every", "1"]
 
 
 def tiny_args(tmp_path, cache_dir, *extra):
     """A run of the tiny preset shrunk to seconds: an 80-step SFT on 400 problems (cached), a short RL run."""
     return [sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--preset", "tiny", "--cache-dir", str(cache_dir),
-            "--run-dir", str(tmp_path / "run"), *TINY_SFT, "--eval-size", "20", "--initial-completions", "64", "--max-new-tokens", "24",
-            "--log-every", "1", *extra]
+            "--run-dir", str(tmp_path / "run"), *TINY_RUN, *extra]
 
 
 def read_metrics(tmp_path, evals=False):

@@ -25,7 +25,7 @@ import types
 import pytest
 import torch
 
-from tests.helpers import TINY_SFT, _alive, _descendants  # the process-tree helpers of the single-machine fault tests
+from tests.helpers import TINY_RUN, _alive, _descendants  # the process-tree helpers of the single-machine fault tests
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command of this Python
@@ -211,8 +211,7 @@ def test_after_a_publish_every_searcher_holds_the_trainers_weights():
 def tiny_flags(run_dir, cache_dir, *extra):
     """The tiny preset shrunk to seconds (as tests/helpers.tiny_args)."""
     return ["run_gsm8k.py", "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(run_dir),
-            *TINY_SFT, "--eval-size", "20",
-            "--initial-completions", "64", "--max-new-tokens", "24", "--log-every", "1", *extra]
+            *TINY_RUN, *extra]
 
 
 def free_port():
