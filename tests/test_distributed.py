@@ -254,21 +254,21 @@ def cache_dir(tmp_path_factory):
 
 
 def test_torchrun_run_learns(tmp_path, cache_dir):
-    """1 trainer + 2 searcher ranks, 60 steps. At this size (an 80-step SFT start, ~3% of samples right)
-    held-out accuracy cannot move (the full-size comparison with the single-machine run is in the README, "Many
-    machines"), so this checks what TB must do at any size, from the run's saved files and independently of its
-    own bookkeeping: every trajectory the searchers sent carries the reward its tokens earn on its query, the
+    """1 trainer + 2 searcher ranks, 60 steps syncing every 16. At this size (an 80-step SFT start, ~3% of
+    samples right) held-out accuracy cannot move (the full-size comparison with the single-machine run is in
+    the README, "Many machines"), so this checks what TB must do at any size, from the run's saved files and
+    independently of its own bookkeeping: every trajectory the searchers sent carries the reward its tokens earn on its query, the
     weights reached the searchers, and the policy moved towards TB's target pi_ref * exp(r / beta): within a
     query, log pi - log pi_ref rose more on its rewarded responses than on its unrewarded ones (TB's log Z(x)
     shifts a query's responses together, so only the difference within a query is the target's)."""
     run = tmp_path / "run"
-    job = Launch(torchrun() + tiny_flags(run, cache_dir, "--steps", "60", "--sync-every", "2", "--lr", "2e-4",
+    job = Launch(torchrun() + tiny_flags(run, cache_dir, "--steps", "60", "--sync-every", "16", "--lr", "2e-4",
                                          "--warmup-steps", "2"))
     assert job.finish(timeout=230) == 0, job.output()[-3000:]
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(60))
     assert max(r["searcher/version"] for r in rows) > 0, "the searchers generated with published weights"
-    k = 2
+    k = 16
     assert all(r["staleness/latest_max"] <= r["buffer/round_age"] + k for r in rows), "the buffer's staleness bound"
     task, tokenizer, final, ref = _run_task_and_models(run)
     with open(run / "checkpoints" / "step-000060" / "buffer.json") as f:
@@ -290,9 +290,10 @@ def test_torchrun_run_learns(tmp_path, cache_dir):
             by_reward[t["reward"]].append(next(delta))
         gaps.append(sum(by_reward[1.0]) / len(by_reward[1.0]) - sum(by_reward[0.0]) / len(by_reward[0.0]))
     gap = sum(gaps) / len(gaps)
-    # measured here (7 runs, lr 1e-4 and 2e-4): 0.20 to 0.39 over 103-123 queries; without learning it would be
-    # about 0. At 30 steps it ranged from 0.04 to 1.3 (a step without a reward is a full Adam step on noise).
-    assert gap > 0.05, f"log pi - log pi_ref, rewarded minus unrewarded within a query: {gap:.2f} over {len(mixed)} queries"
+    # measured here: 0.58 to 0.70 in 7 runs, over 84-108 queries; without learning it would be about 0. Syncing
+    # every 2 steps it was 0.03 to 0.39 (a round is trained on for 2 steps, so the gap is mostly generalisation;
+    # docs/LOG.md, 2026-12-06); every 16 steps, each round's rewarded responses are trained on for 16.
+    assert gap > 0.3, f"log pi - log pi_ref, rewarded minus unrewarded within a query: {gap:.2f} over {len(mixed)} queries"
 
 
 def _run_task_and_models(run):
