@@ -20,6 +20,7 @@ ABLATIONS = {
     "preset": ([], None),
     "no-grad-clip": (["--grad-clip", "0"], None),  # the official code never clips
     "grad-clip-10": (["--grad-clip", "10"], None),
+    "grad-clip-1": (["--grad-clip", "1"], None),  # the tiny preset until 2026-12-05
     "init-1024": (["--initial-completions", "1024"], None),
     "m-0.5": (["--m", "0.5"], None), "m-0": (["--m", "0"], None),
     "lr-5e-6": (["--lr", "5e-6"], ("tb", "grpo")),

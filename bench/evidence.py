@@ -166,8 +166,6 @@ def tldr(cfg):
     return cells, table(rows)
 
 
-
-
 PEER_ASYMMETRIES = """Matched (bench/peer.py's `trl_args`, read from the resolved tiny GSM8K config): the SFT warm start, the \
 training prompts, the reward (the task's scorer), the held-out problems and the evaluation code, K responses x Q \
 prompts per step, the steps, AdamW's learning rate and weight decay, the warmup-stable-decay schedule, gradient \
