@@ -257,10 +257,11 @@ def test_torchrun_run_learns(tmp_path, cache_dir):
     """1 trainer + 2 searcher ranks, 60 steps syncing every 16. At this size (an 80-step SFT start, ~3% of
     samples right) held-out accuracy cannot move (the full-size comparison with the single-machine run is in
     the README, "Many machines"), so this checks what TB must do at any size, from the run's saved files and
-    independently of its own bookkeeping: every trajectory the searchers sent carries the reward its tokens earn on its query, the
-    weights reached the searchers, and the policy moved towards TB's target pi_ref * exp(r / beta): within a
-    query, log pi - log pi_ref rose more on its rewarded responses than on its unrewarded ones (TB's log Z(x)
-    shifts a query's responses together, so only the difference within a query is the target's)."""
+    independently of its own bookkeeping: every trajectory the searchers sent carries the reward its tokens
+    earn on its query, the weights reached the searchers, and the policy moved towards TB's target
+    pi_ref * exp(r / beta): within a query, log pi - log pi_ref rose more on its rewarded responses than on
+    its unrewarded ones (TB's log Z(x) shifts a query's responses together, so only the difference within a
+    query is the target's)."""
     run = tmp_path / "run"
     job = Launch(torchrun() + tiny_flags(run, cache_dir, "--steps", "60", "--sync-every", "16", "--lr", "2e-4",
                                          "--warmup-steps", "2"))
