@@ -67,6 +67,10 @@ class Deck:
         return self.left.pop()
 
 
+class InconsistentBuffer(RuntimeError):
+    """What the buffer refers to is not what it stores (`ReplayBuffer.check`)."""
+
+
 class ReplayBuffer:
     def __init__(self, capacity_per_query, seed=0, dedup=True):
         """dedup=False (--no-dedup, an ablation) stores every copy of a response under a serial number."""
@@ -102,14 +106,13 @@ class ReplayBuffer:
             key = t.response_ids if self.dedup else self.serial
             self.serial += 1
             old = per_query.get(key)
-            if old is None:
-                self.size += 1
-            elif old.policy_version > t.policy_version:
+            if old is not None and old.policy_version > t.policy_version:
                 continue  # a late copy from older weights never replaces a newer one
-            else:
-                del per_query[key]  # dedup: the newest copy wins (and moves to the end)
+            if old is not None:
+                self._drop(t.query_id, key)  # dedup: the newest copy wins (and moves to the end)
             t.round = rnd
             per_query[key] = t
+            self.size += 1
             touched.add(t.query_id)
         for q in touched:
             self._evict(q)
@@ -124,19 +127,39 @@ class ReplayBuffer:
         return sum(len(v) for v in latest.values())
 
     def _evict(self, q):
-        per_query = self.items[q]
-        excess = len(per_query) - self.capacity
-        if excess <= 0:
-            return
-        # oldest by policy version; ties broken by insertion order (dicts keep it, sorted() is stable)
-        for key, _ in sorted(per_query.items(), key=lambda kv: kv[1].policy_version)[:excess]:
-            del per_query[key]
-        self.size -= excess
-        if q in self.latest:  # an evicted item leaves the latest round too
-            kept = {id(t) for t in per_query.values()}
-            self.latest[q] = [t for t in self.latest[q] if id(t) in kept]
+        """Keep the capacity newest items of query q: the oldest by policy version go, ties by insertion order."""
+        excess = len(self.items[q]) - self.capacity
+        if excess > 0:  # (dicts keep insertion order, and sorted() is stable)
+            for key, _ in sorted(self.items[q].items(), key=lambda kv: kv[1].policy_version)[:excess]:
+                self._drop(q, key)
+
+    def _drop(self, q, key):
+        """The one way an item leaves the buffer: out of storage, out of the latest round, and its query out
+        of the round's deck once the round holds nothing of it."""
+        t = self.items[q].pop(key)
+        self.size -= 1
+        if q in self.latest:
+            self.latest[q] = [x for x in self.latest[q] if x is not t]
             if not self.latest[q]:
                 del self.latest[q]
+                self.latest_deck.left = [x for x in self.latest_deck.left if x != q]
+
+    def check(self):
+        """Raise InconsistentBuffer naming the first invariant that does not hold: what the latest round, the
+        decks and the counts refer to is what the buffer stores. (Checked before every checkpoint is written.)"""
+        stored = {id(t) for per_query in self.items.values() for t in per_query.values()}
+        rules = [
+            ("every latest-round trajectory is stored", all(id(t) in stored for ts in self.latest.values() for t in ts)),
+            ("no latest-round query is empty", all(self.latest.values())),
+            ("the latest round's deck deals only its queries", set(self.latest_deck.left) <= set(self.latest)),
+            ("the all-queries deck deals only stored queries", set(self.all_deck.left) <= set(self.items)),
+            ("every stored query is listed once", sorted(self.query_ids) == sorted(self.items)),
+            ("the size counts what is stored", self.size == len(stored)),
+            ("no query holds more than its capacity", all(len(v) <= self.capacity for v in self.items.values())),
+        ]
+        for rule, holds in rules:
+            if not holds:
+                raise InconsistentBuffer(f"replay buffer invariant broken: {rule}")
 
     def sample(self, num_queries, k, m=1.0, prioritization="softmax", reward_temp=1.0):
         """Return `num_queries` groups, each a list of `k` Trajectories of one query."""

@@ -301,6 +301,52 @@ def test_buffer_empty_sync_keeps_the_last_online_round():
 
 
 @quick
+def test_buffer_kept_round_never_holds_a_dropped_duplicate():
+    # issue 30's crash: a sync that forms no round keeps the last one, while a newer copy (dedup) replaces one of
+    # its trajectories; the kept round must not point at the dropped object (state_dict raised KeyError)
+    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf.add([traj(0, [1, 2], version=4), traj(0, [3, 4], version=4)], round_min_version=0)
+    buf.add([traj(0, [1, 2], version=6)], round_min_version=8)
+    assert buf.state_dict()["latest"] == [[0, [[3, 4]]]]
+
+
+@quick
+def test_buffer_invariants_hold_for_random_rounds_duplicates_and_capacities():
+    """After every add: each latest-round trajectory is stored (check()), state_dict round-trips exactly and the
+    copy draws what the original draws, and sampling returns stored trajectories only."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        buf, step = ReplayBuffer(int(rng.integers(1, 5)), seed=trial, dedup=bool(rng.random() < 0.8)), 0
+        for _ in range(int(rng.integers(1, 12))):
+            step += int(rng.integers(0, 4))
+            items = [traj(int(rng.integers(0, 4)), rng.integers(0, 3, size=2).tolist(),
+                          version=int(rng.integers(max(0, step - 8), step + 1))) for _ in range(int(rng.integers(0, 9)))]
+            buf.add(items, round_min_version=step - int(rng.integers(0, 5)) if rng.random() < 0.8 else None)
+            buf.check()
+            if not len(buf):
+                continue
+            stored = {id(t) for per_query in buf.items.values() for t in per_query.values()}
+            groups = buf.sample(int(rng.integers(1, 4)), int(rng.integers(1, 4)), m=float(rng.random()))
+            assert all(id(t) in stored for g in groups for t in g), "a draw returned a trajectory the buffer dropped"
+            copy = ReplayBuffer(1)
+            copy.load_state_dict(json.loads(json.dumps(buf.state_dict())))
+            copy.check()
+            assert json.dumps(copy.state_dict()) == json.dumps(buf.state_dict())
+            draw = lambda b: [[(t.query_id, t.response_ids, t.policy_version) for t in g] for g in b.sample(3, 2, m=0.5)]
+            assert draw(copy) == draw(buf), "a resumed buffer draws what the original would have"
+
+
+@quick
+def test_buffer_check_names_the_broken_invariant():
+    from buffer import InconsistentBuffer
+    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf.add([traj(0, [1], version=0)])
+    buf.latest[0] = [traj(0, [1], version=0)]  # a copy, not the stored object
+    with pytest.raises(InconsistentBuffer, match="every latest-round trajectory is stored"):
+        buf.check()
+
+
+@quick
 def test_buffer_softmax_frequencies():
     buf = ReplayBuffer(capacity_per_query=100, seed=0)
     rewards = [0.0, 0.5, 1.0, 2.0]

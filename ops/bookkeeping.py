@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from buffer import ReplayBuffer
+from buffer import InconsistentBuffer, ReplayBuffer
 from config import LAUNCHED, ConfigError, RunError, Stopped
 from models import Policy, autocast, save_model
 from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
@@ -192,6 +192,11 @@ class Bookkeeping:
         run = self.run
         for model in (run.policy, run.ref):
             self.require_finite(model, "non-finite weights: no checkpoint written")
+        try:
+            run.buffer.check()
+        except InconsistentBuffer as e:  # (a bug, not an input: the last complete checkpoint stays as it is)
+            raise RunError(f"no checkpoint written at step {step}: {e}; the last complete one stays in "
+                           f"{os.path.join(self.cfg.run_dir, 'checkpoints')}") from None
         state = {"ref_version": run.ref_version, "before": run.before, **dataclasses.asdict(self.counters),
                  "searchers": run.searchers.state_dict(), "config": dataclasses.asdict(self.cfg)}
         return save_checkpoint(self.cfg.run_dir, step, run.policy, run.ref, run.opt, run.buffer, state,

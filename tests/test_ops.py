@@ -469,6 +469,26 @@ def test_an_empty_sync_is_logged(capsys):
     assert run.books.counters.fresh_count == 0
 
 
+def test_an_inconsistent_buffer_writes_no_checkpoint_and_keeps_the_last(tmp_path):
+    from types import SimpleNamespace
+
+    from buffer import Trajectory
+    from config import RunError
+    from ops.bookkeeping import Bookkeeping
+    last = tmp_path / "checkpoints" / "step-000004"
+    last.mkdir(parents=True)
+    (last / "state.json").write_text("{}")
+    buffer = ReplayBuffer(4)
+    buffer.add([Trajectory(query_id=0, response_ids=(1,), reward=0.0, policy_version=0)])
+    buffer.latest[0] = [Trajectory(query_id=0, response_ids=(1,), reward=0.0, policy_version=0)]  # not the stored one
+    run = SimpleNamespace(buffer=buffer, start=0, policy=torch.nn.Linear(2, 2), ref=torch.nn.Linear(2, 2),
+                          cfg=SimpleNamespace(run_dir=str(tmp_path), resume="x", report_to="none"))
+    with pytest.raises(RunError, match=r"^no checkpoint written at step 8: replay buffer invariant broken: every "
+                                       r"latest-round trajectory is stored; the last complete one stays in "):
+        Bookkeeping(run).save(8)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000004"]
+
+
 @pytest.mark.parametrize("report_to", ["tensorboard", "wandb"])
 def test_metrics_reach_tensorboard_and_wandb_by_their_names_and_samples_are_kept(tmp_path, cache_dir, report_to):
     pytest.importorskip(report_to)
