@@ -164,25 +164,23 @@ def baseline_loss(cfg, groups, token_logp, beta):
 # --sync: the on-policy system, in the trainer's process
 
 class SyncSearch:
-    """The searchers' interface (searcher.Searchers) for the on-policy baseline: each merge generates a fresh
-    batch of Q prompts x S responses with the trainer's own policy, which becomes the buffer's latest round;
+    """The searchers' interface (searcher.Searchers) for the on-policy baseline: each merge's poll generates a
+    fresh batch of Q prompts x S responses with the trainer's own policy, which becomes the buffer's latest round;
     --sync sets k = 1 and m = 1 (config.parse_config), so every step trains on exactly that batch."""
 
     def __init__(self, cfg):
-        self.received, self.restarts, self.stop = 0, 0, None
+        self.restarts = 0
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
-        self.cfg = cfg
+        self.cfg, self.version = cfg, step
         # reference (and, for ratio objectives, behaviour) log-probs are left to the trainer's batched forward
         self.searcher = Searcher(cfg, task, HFGenerator(policy, tokenizer, cfg.max_new_tokens), tokenizer,
                                  task.make_scorer(cfg.device), cfg.seed)
         self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.num_queries, cfg.seed)
 
-    def merge(self, buffer, step):
-        items = self.searcher.search(next(self.prompts), step, ref_version=-1)
-        self.received += len(items)
-        buffer.add(items)
-        return items
+    def poll(self):
+        """A fresh batch: Q prompts x S responses from the current policy."""
+        return self.searcher.search(next(self.prompts), self.version, ref_version=-1)
 
     def pause(self, paused):
         pass  # (nothing runs beside the trainer)
@@ -191,19 +189,17 @@ class SyncSearch:
         pass
 
     def publish(self, policy, version):
-        pass  # the in-process searcher generates with the trainer's own policy
+        self.version = version  # the in-process searcher generates with the trainer's own policy
 
     def publish_ref(self, ref, version):
         pass  # ... and the trainer scores the reference itself
 
     def state_dict(self):
-        return {"prompts": self.prompts.state_dict(), "searcher_rng": json_rng_state(self.searcher.rng.getstate()),
-                "received": self.received}
+        return {"prompts": self.prompts.state_dict(), "searcher_rng": json_rng_state(self.searcher.rng.getstate())}
 
     def load_state_dict(self, state):
         self.prompts.load_state_dict(state["prompts"])
         self.searcher.rng.setstate(tuple_rng_state(state["searcher_rng"]))
-        self.received = state["received"]
 
-    def close(self):
+    def close(self, failing=False):
         pass

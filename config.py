@@ -57,6 +57,10 @@ class Config:
     samples_per_prompt: int = tba_(24, "S: responses a searcher generates per prompt")
     sync_every: int = tba_(2, "k: merge searcher data and publish weights every k trainer steps")
     m: float = tba_(0.95, "probability that a query's K responses come from the latest round (most-on-policy)")
+    fresh_rounds: bool = tba_(True, "every sync trains on a new round: when the searchers have sent nothing from the "
+                                    "weights of the previous sync or newer, the trainer waits for them (time/wait), as "
+                                    "the official barrier does (--no-fresh-rounds: never wait and train on the old "
+                                    "round again, an ablation)")
     prioritization: str = tba_("softmax", "off-policy draws: softmax (of reward / reward_temp) | uniform")
     reward_temp: float = tba_(1.0, "temperature of softmax prioritization")
     capacity_per_query: int = tba_(1000, "newest trajectories kept per query")

@@ -16,8 +16,8 @@ A searcher process (`searcher_process` -> `searcher_main`) loops until told to s
 
 The trainer (tba.py) talks to one `Searchers` object:
     searchers.start(cfg, task, policy, ref, tokenizer, step)   hand the searchers their job and the weights
-    searchers.merge(buffer, step)     drain what arrived into the buffer as one round (the first merge waits
-                                      for --initial-completions trajectories); returns the new trajectories
+    searchers.poll()                  every trajectory the searchers sent since the last poll (tba.merge adds
+                                      them to the buffer as one round, waiting for more if need be)
     searchers.publish(policy, version), publish_ref(ref, version)   new weights for the searchers
     searchers.pause(True), pause(False)   hold the searchers (while the trainer evaluates), let them go on
     searchers.check_alive()           raise SearcherDied if one died or went silent (or restart it)
@@ -221,7 +221,7 @@ class Searchers:
         self.policy_weights, self.ref_weights = SharedWeights(self.ctx), SharedWeights(self.ctx)
         n = cfg.num_searchers
         self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
-        self.received, self.restarts, self.stop, self.job = 0, 0, None, None
+        self.restarts, self.job = 0, None
         for rank in range(n):
             self._spawn(rank)
 
@@ -250,15 +250,20 @@ class Searchers:
         self.jobs[rank].put({**self.job, "seed": seed})
         self.last_heard[rank] = time.time()
 
-    def merge(self, buffer, step):
-        return merge_round(self, buffer, step)
-
-    def poll(self, rank):
-        """The next batch searcher `rank` sent, or None (waits at most 10 ms)."""
-        try:
-            return self.queues[rank].get(timeout=0.01)
-        except queue.Empty:
-            return None
+    def poll(self):
+        """Every trajectory the searchers sent since the last poll, in arrival order per searcher (waits 10 ms when
+        there is none)."""
+        items = []
+        for rank, q in enumerate(self.queues):
+            while True:
+                try:
+                    items += q.get_nowait()
+                except queue.Empty:
+                    break
+                self.last_heard[rank] = time.time()
+        if not items:
+            time.sleep(0.01)
+        return items
 
     def publish(self, policy, version):
         self.policy_weights.publish(policy, version)
@@ -299,7 +304,7 @@ class Searchers:
     def load_state_dict(self, state):
         self.restarts = state["restarts"]
 
-    def close(self):
+    def close(self, failing=False):
         """Stop every searcher: ask, wait up to 5 s, then kill. Safe to call twice."""
         self.stop_event.set()
         deadline = time.time() + 5.0
@@ -312,36 +317,6 @@ class Searchers:
         for q in self.queues + self.jobs:
             q.cancel_join_thread()  # never block the trainer's exit on data nobody will read
             q.close()
-
-
-def merge_round(searchers, buffer, step):
-    """Drain every searcher into the buffer as one round (the first merge waits for the initial fill).
-    Shared by Searchers and ops/distributed.DistSearchers, which differ in `poll(rank)` (a batch or None)."""
-    cfg = searchers.cfg
-    need = cfg.initial_completions if searchers.received == 0 else 0
-    items = []
-    bar = tqdm(total=need, desc="initial fill", leave=False, disable=None if need else True)
-    while True:
-        got = 0
-        for rank in range(cfg.num_searchers):
-            batch = searchers.poll(rank)
-            if batch is None:
-                continue
-            searchers.last_heard[rank] = time.time()
-            items.extend(batch)
-            got += len(batch)
-        bar.update(got)
-        if not got:
-            if len(items) >= need:
-                break
-            if searchers.stop is not None and searchers.stop.requested:
-                raise StopRequested
-            searchers.check_alive()
-    bar.close()
-    searchers.received += len(items)
-    # items from weights older than the previous sync stay out of the most-on-policy round (buffer.py)
-    buffer.add(items, round_min_version=max(step - cfg.sync_every, 0))
-    return items
 
 
 class SharedWeights:

@@ -71,8 +71,10 @@ def train(cfg, task, searchers):
                 if (step + 1) % cfg.sync_every == 0:  # sync: the searchers generate with the new weights
                     publish(run, step + 1)
             books.save(cfg.steps)
-    finally:
-        searchers.close()
+    except BaseException:
+        searchers.close(failing=True)  # (a stop or a failure: searchers are not waited for)
+        raise
+    searchers.close()
     return run.books.finish()
 
 
@@ -118,9 +120,20 @@ def setup(cfg, task, searchers):
 # The steps of the loop
 
 def merge(run, step):
-    """Drain the searchers' trajectories into the buffer as one round; the bookkeeping counts them."""
-    fresh = run.searchers.merge(run.buffer, step)
-    run.books.merged(fresh, step)
+    """Algorithm 1's merge: what the searchers sent since the last sync becomes the buffer's latest round.
+    Trajectories from weights older than the previous sync are stored but kept out of the round (the official
+    barrier's rule: most-on-policy draws are then at most 2k - 1 steps stale), and when nothing that new has
+    arrived the trainer waits for the searchers rather than train on the old round again (--no-fresh-rounds:
+    never wait). The first merge also waits for --initial-completions trajectories."""
+    cfg = run.cfg
+    min_version = max(step - cfg.sync_every, 0)  # the weights published at the previous sync, or newer
+    need = cfg.initial_completions if step == run.start else 0
+    items = run.searchers.poll()  # every trajectory the searchers sent since the last merge
+    while len(items) < need or (cfg.fresh_rounds and not any(t.policy_version >= min_version for t in items)):
+        run.books.wait_for_searchers(len(items), need)  # (a stop signal or a dead searcher ends the wait)
+        items += run.searchers.poll()
+    run.buffer.add(items, round_min_version=min_version)
+    run.books.merged(items, step, min_version)
 
 
 def reset_reference(run, step):

@@ -447,10 +447,11 @@ def test_smoke_run_writes_metrics(tmp_path, cache_dir):
     assert json.load(open(tmp_path / "run" / "config.json"))["steps"] == 12
 
 
-def test_most_on_policy_staleness_bound_and_weights_reach_searchers(tmp_path, cache_dir):
+@pytest.mark.parametrize("fresh_rounds", [True, False])
+def test_most_on_policy_staleness_bound_and_weights_reach_searchers(tmp_path, cache_dir, fresh_rounds):
     k = 2
-    out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "24", "--sync-every", str(k), "--m", "1.0"),
-                         capture_output=True, text=True, timeout=180)
+    flags = ["--steps", "24", "--sync-every", str(k), "--m", "1.0"] + ([] if fresh_rounds else ["--no-fresh-rounds"])
+    out = subprocess.run(tiny_args(tmp_path, cache_dir, *flags), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
     # the latest round was formed round_age steps ago from items at most k steps older than that sync:
@@ -459,6 +460,10 @@ def test_most_on_policy_staleness_bound_and_weights_reach_searchers(tmp_path, ca
         assert r["staleness/latest_max"] <= r["buffer/round_age"] + k, r
     assert all(r["staleness/latest_max"] <= 2 * k - 1 for r in rows if r["buffer/round_age"] < k)
     assert max(r["searcher/version"] for r in rows) > 0, "searchers never generated with published weights"
+    if fresh_rounds:  # every sync formed a new round (the trainer waited for it where need be): the barrier's bound
+        assert [r["buffer/round_age"] for r in rows] == [r["step"] % k for r in rows]
+        assert max(r["staleness/latest_max"] for r in rows) <= 2 * k - 1
+        assert "no new trajectories" not in out.stdout
 
 
 def test_reference_reset_makes_kl_zero(tmp_path, cache_dir):

@@ -5,7 +5,9 @@ Everything a training run does besides TBA, behind the one object the trainer lo
                                       dead searcher or a stop leaves a checkpoint of the last consistent state
         books.begin_step(step)        stop if asked; searchers alive?; a checkpoint every --checkpoint-every
                                       steps; the task's evaluation every --eval-every steps
-        books.merged(fresh, step)     counts what a merge brought (fresh reward, searcher version, rounds)
+        books.wait_for_searchers(have, need)   between the polls of a merge that waits: a stop signal or a
+                                      dead searcher ends the wait; the initial fill's progress bar
+        books.merged(items, step, v)  counts what a merge brought (fresh reward, searcher version, rounds, the wait)
         books.log(record, groups, step)   the non-finite guard, the buffer/staleness/perf metrics, one line
                                       on the terminal every --log-every steps, one record in metrics.jsonl
                                       (and TensorBoard or W&B, --report-to)
@@ -60,12 +62,12 @@ class Bookkeeping:
         self.counters, self.meter = Counters(), Meter()
         self.tracker = Tracker(run.cfg)  # metrics.jsonl, samples.jsonl, and TensorBoard or W&B with --report-to
         self.step, self.requested, self.t_step, self.t_merged = run.start, 0, time.time(), time.time()
+        self.t_wait, self.waited, self.fill_bar = None, 0.0, None  # the merge's wait for the searchers
 
     # -- stop signals, and a checkpoint on the way out
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
-        self.run.searchers.stop = self  # a stop asked while waiting for searchers ends the wait (`requested`)
         return self
 
     def _on_signal(self, signum, frame):
@@ -98,25 +100,45 @@ class Bookkeeping:
         record = {"step": step}
         if step == self.run.start or (self.cfg.eval_every and step % self.cfg.eval_every == 0):
             record.update(self.evaluate(step))  # (the first overlaps with the searchers' start-up and initial fill)
-        self.t_merge = self.t_merged = time.time()  # (a step without a merge: time/merge is 0)
+        self.t_merge = self.t_merged = time.time()  # (a step without a merge: time/merge and time/wait are 0)
+        self.waited = 0.0
         return record
 
-    def merged(self, fresh, step):
-        """Count what a merge brought."""
+    def wait_for_searchers(self, have, need):
+        """Called between two polls of a merge that waits for the searchers (the initial fill, or no new round yet):
+        a stop signal ends the wait (a checkpoint), a dead or silent searcher ends the run."""
+        if self.t_wait is None:
+            self.t_wait = time.time()
+        if need and self.fill_bar is None:
+            self.fill_bar = tqdm(total=need, desc="initial fill", leave=False, disable=None)
+        if self.fill_bar is not None:
+            self.fill_bar.update(min(have, need) - self.fill_bar.n)
+        if self.requested:
+            raise StopRequested
+        self.run.searchers.check_alive()
+
+    def merged(self, items, step, min_version):
+        """Count what a merge brought, and how long it waited for the searchers."""
         c, run = self.counters, self.run
         self.t_merged = time.time()
-        c.fresh_count = len(fresh)
+        self.waited = self.t_merged - self.t_wait if self.t_wait is not None else 0.0
+        self.t_wait = None
+        if self.fill_bar is not None:
+            self.fill_bar.close()
+            self.fill_bar = None
+        c.fresh_count = len(items)
         if step == run.start:
             self.meter.restart()  # rates count from the first trained step on, after the initial fill
         else:
-            self.meter.count(fresh)
-        if step > run.start and not fresh:
-            tqdm.write(f"sync at step {step}: no new trajectories from the searchers (training on the buffer's older ones)")
+            self.meter.count(items)
         if run.buffer.latest_round != c.round:  # the merge formed a new latest round
             c.round, c.round_step = run.buffer.latest_round, step
-        if fresh:
-            c.fresh_reward = float(np.mean([t.reward for t in fresh]))
-            c.searcher_version = max(c.searcher_version, max(t.policy_version for t in fresh))
+        elif step > run.start:
+            tqdm.write(f"sync at step {step}: no new trajectories from the searchers from the weights of step "
+                       f"{min_version} or newer: training on the round of step {c.round_step} again (--no-fresh-rounds)")
+        if items:
+            c.fresh_reward = float(np.mean([t.reward for t in items]))
+            c.searcher_version = max(c.searcher_version, max(t.policy_version for t in items))
 
     def log(self, record, groups, step):
         """Complete the step's record, guard against non-finite steps, write it, print it every log_every steps."""
@@ -129,7 +151,7 @@ class Bookkeeping:
         train_seconds = time.time() - self.t_merged
         self.meter.busy += train_seconds
         record.update({
-            "time/merge": self.t_merged - self.t_merge, "time/train": train_seconds,
+            "time/merge": self.t_merged - self.t_merge, "time/wait": self.waited, "time/train": train_seconds,
             "reward/fresh": c.fresh_reward, "buffer/fresh": c.fresh_count, "buffer/round_age": step - c.round_step,
             "grad/skipped_total": c.skipped, "buffer/size": len(run.buffer), "buffer/queries": run.buffer.num_queries,
             "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": run.ref_version,

@@ -16,8 +16,8 @@ The transport, all public torch.distributed API, nothing pickled:
   job           rank 0 sets the key "job": the config and the task as JSON, once it has its models.
   trajectories  a searcher pushes each batch as JSON (per Trajectory the record buffer.json keeps) to its own
                 store queue "traj/<rank>" (queue_push), waiting while that holds --queue-size batches
-                (queue_len); at each merge the trainer drains the queues with queue_pop(block=False) through
-                searcher.merge_round, the same function that drains the multiprocessing queues.
+                (queue_len); at each merge the trainer drains the queues with queue_pop(block=False)
+                (`DistSearchers.poll`, as searcher.Searchers.poll drains the multiprocessing queues).
   weights       the state dict packed into one byte tensor (`pack`) on the trainer's thread, then sent to
                 every searcher with gloo point-to-point (isend) by a background thread, so the trainer never
                 waits for a transfer. Each transfer is first announced on the store queue "weights/<rank>"
@@ -73,7 +73,7 @@ from buffer import Trajectory
 from config import OBJECTIVES, ConfigError, RunError, Stopped
 from ops.devices import torchrun_rank
 from ops.weights import WeightSender, digest, layout, one_line, unpack
-from searcher import SearcherDied, merge_round, searcher_main
+from searcher import SearcherDied, searcher_main
 
 POLL_S = 0.05  # how often a searcher's receiving thread looks for announced weights and for "stop"
 JOIN_TIMEOUT_S = 600  # every rank must reach the store and the process group within this (torchrun starts them
@@ -163,7 +163,7 @@ class DistSearchers:
         self.store = store or connect()
         self.ranks = list(range(1, cfg.num_searchers + 1))  # searcher i is rank i + 1
         self.sender = WeightSender(self.store.clone(), self.ranks, cfg.searcher_timeout)
-        self.received, self.stop, self.failed, self.closed, self.send_ref = 0, None, False, False, False
+        self.failed, self.closed, self.send_ref = False, False, False
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
         self.last_heard = [time.time()] * cfg.num_searchers
 
@@ -175,16 +175,19 @@ class DistSearchers:
         self.sender.send([("policy", step, policy)] + ([("ref", ref_version, ref)] if self.send_ref else []), wait=True)
         self.last_heard = [time.time()] * cfg.num_searchers
 
-    def merge(self, buffer, step):
-        return merge_round(self, buffer, step)
-
-    def poll(self, i):
-        """The next batch searcher i (rank i + 1) sent, or None after a 10 ms pause (as Searchers.poll waits)."""
-        try:
-            return decode_batch(self.store.queue_pop(f"traj/{i + 1}", block=False))
-        except dist.QueueEmptyError:
+    def poll(self):
+        """Every trajectory the searcher ranks pushed since the last poll (waits 10 ms when there is none)."""
+        items = []
+        for i, rank in enumerate(self.ranks):
+            while True:
+                try:
+                    items += decode_batch(self.store.queue_pop(f"traj/{rank}", block=False))
+                except dist.QueueEmptyError:
+                    break
+                self.last_heard[i] = time.time()
+        if not items:
             time.sleep(0.01)
-            return None
+        return items
 
     def publish(self, policy, version):
         self.sender.send([("policy", version, policy)])  # skipped while the previous transfer is in flight
@@ -221,9 +224,9 @@ class DistSearchers:
     def load_state_dict(self, state):
         pass  # the count is torchrun's (TORCHELASTIC_RESTART_COUNT)
 
-    def close(self):
-        """Let a transfer in flight finish, tell the searchers to stop and, unless the run is failing, wait
-        (up to --searcher-timeout) until each has acknowledged it; their threads do within 50 ms. Safe to
+    def close(self, failing=False):
+        """Let a transfer in flight finish, tell the searchers to stop and, unless the run is failing (or stopped),
+        wait (up to --searcher-timeout) until each has acknowledged it; their threads do within 50 ms. Safe to
         call twice."""
         if self.closed:
             return
@@ -232,7 +235,7 @@ class DistSearchers:
         if self.sender.skipped:
             print(f"weights: {self.sender.skipped} of {self.sender.publishes} publishes skipped (the previous "
                   f"transfer was still in flight)")
-        failing = self.failed or self.sender.error or (self.stop is not None and self.stop.requested)
+        failing = failing or self.failed or self.sender.error
         try:
             self.store.set("stop", "1")
             deadline = time.time() + (0 if failing else self.cfg.searcher_timeout)

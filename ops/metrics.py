@@ -70,7 +70,7 @@ def format_line(record):
             f"buffer {record['buffer/size']} | stale {record['staleness/mean']:.1f}/{record['staleness/max']} | "
             f"drift {record['offpolicy/drift']:.2f} out {record['offpolicy/ratio_out']:.2f} clip {record['offpolicy/clip_frac']:.2f} | "
             f"grad {record['grad/norm']:.3g} | "
-            f"{record['perf/samples_per_s']:.0f} samples/s | busy {100 * record['perf/busy']:.0f}%")
+            f"{record['perf/samples_per_s']:.0f} samples/s | busy {100 * record['perf/busy']:.0f}% | wait {record['time/wait']:.2f}s")
 
 
 class Meter:

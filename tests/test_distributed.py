@@ -56,17 +56,23 @@ def _stream(seed=0):
 
 
 def _merge_stream(searchers, links, rounds):
-    """Put each round through the searchers' links, merge it; returns the buffer and what each merge returned."""
+    """Put each round through the searchers' links, merge it (tba.merge); returns the buffer and what each merge
+    brought."""
+    import tba
     from buffer import ReplayBuffer, Trajectory
-    buffer, merged = ReplayBuffer(capacity_per_query=5, seed=0), []
+    merged = []
+    books = types.SimpleNamespace(wait_for_searchers=lambda have, need: None,
+                                  merged=lambda items, step, min_version: merged.append([dataclasses.asdict(t) for t in items]))
+    run = types.SimpleNamespace(cfg=searchers.cfg, searchers=searchers, books=books,
+                                buffer=ReplayBuffer(capacity_per_query=5, seed=0))
     for searcher, step, batches in rounds:
         for batch in batches:
             assert links[searcher].put([Trajectory(**t) for t in batch])
         # each merge waits for its whole round, as a first merge waits for the initial fill, so that the test
         # does not depend on how soon a multiprocessing queue's feeder thread delivers
-        searchers.received, searchers.cfg.initial_completions = 0, sum(len(b) for b in batches)
-        merged.append([dataclasses.asdict(t) for t in searchers.merge(buffer, step)])
-    return buffer, merged
+        run.start, run.cfg.initial_completions = step, sum(len(b) for b in batches)
+        tba.merge(run, step)
+    return run.buffer, merged
 
 
 def _draw(buffer, cfg):

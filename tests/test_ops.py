@@ -457,12 +457,11 @@ def test_an_empty_sync_is_logged(capsys):
     from ops.bookkeeping import Bookkeeping
 
     class Silent:
-        received = 64
-
-        def merge(self, buffer, step):
+        def poll(self):
             return []
     run = SimpleNamespace(searchers=Silent(), buffer=ReplayBuffer(4), start=0,
-                          cfg=SimpleNamespace(run_dir="", resume="x", report_to="none"))  # (resume: no file made)
+                          cfg=SimpleNamespace(run_dir="", resume="x", report_to="none", sync_every=4, fresh_rounds=False,
+                                              initial_completions=64))  # (resume: no file made)
     run.books = Bookkeeping(run)
     tba.merge(run, 8)
     assert "sync at step 8: no new trajectories from the searchers" in capsys.readouterr().out
