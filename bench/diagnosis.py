@@ -5,9 +5,13 @@ The paper's claims, diagnosed (sections of `python -m bench`; the protocol is be
              (ABLATIONS) at the sync periods --ablation-k, with the off-policy diagnostics of every cell.
   frontier   TL;DR tiny at k = 10: win rate against KL(pi_sft, pi) for TB, RLOO and Online DPO at several betas
              and the official schedule's shape.
+  load       the tiny red-teaming and GSM8K presets on a busy machine (a second process spins one core), with
+             fresh rounds (the trainer waits for the searchers) and without (--no-fresh-rounds): how many syncs
+             brought no new round, how stale the data got, and what each run gained, per seed.
 
 Run: python -m bench --sections ablations --ablations preset,trust-region --ablation-objectives tb,grpo
      python -m bench --sections frontier
+     python -m bench --sections load
 """
 
 import os
@@ -110,3 +114,22 @@ def plot_frontier(cells, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+LOAD_TASKS = {"red-teaming": ("run_redteam.py", 50), "GSM8K": ("run_gsm8k.py", 50)}  # script, evaluation period
+LOAD_COLUMNS = ["empty syncs", "trainer waits (s)", "staleness mean", "round age", "drift", "loss max"]
+
+
+def load(cfg):
+    """Each task's tiny preset with a second process spinning one core, with and without fresh rounds: the
+    headline score (mean of the last 3 evaluations), the final evaluation's gain over the first per seed, and
+    the diagnostics of an empty-sync collapse."""
+    variants = {"fresh rounds": [], "--no-fresh-rounds": ["--no-fresh-rounds"]}
+    cells = {(t, v): cell(cfg, script, f"load-{script[4:-3]}-{'fresh' if not f else 'nofresh'}", f, every, load=True)
+             for t, (script, every) in LOAD_TASKS.items() for v, f in variants.items()}
+    gain = lambda r: 100 * (r["final"] - r["before"])
+    rows = [{"task": t, "variant": v, "score (%)": fmt([r["score"] for r in rs], 100),
+             "gain per seed (points)": ", ".join(f"{gain(r):+.1f}" for r in rs),
+             "seeds with +20": f"{sum(gain(r) >= 20 for r in rs)}/{len(rs)}", **diagnostics(rs, LOAD_COLUMNS)}
+            for (t, v), rs in cells.items()]
+    return {f"{t} {v}": rs for (t, v), rs in cells.items()}, table(rows)

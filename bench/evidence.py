@@ -62,7 +62,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bench.diagnosis import ablation_runs, ablations, frontier
+from bench.diagnosis import ablation_runs, ablations, frontier, load
 from bench.protocol import DIAGNOSTICS, REUSED, _mean, cell, diagnostics, fmt, pyplot, table, write_runs
 from config import build_parser, knob
 
@@ -106,7 +106,8 @@ def speed(cfg):
              f"time to {100 * cfg.target:.0f}% (s)": fmt([r["time_to_target_s"] for r in rs]),
              "reached": f"{sum(r['time_to_target_s'] is not None for r in rs)}/{len(rs)}",
              "time to the end (s)": fmt([r["end_s"] for r in rs]), "s / step": fmt([r["s_per_step"] for r in rs], digits=3),
-             "start-up (s)": fmt([r["startup_s"] for r in rs]), "busy": fmt([r["busy"] for r in rs], digits=2),
+             "start-up (s)": fmt([r["startup_s"] for r in rs]), "trainer waits (s)": fmt([r["wait_s"] for r in rs]),
+             "busy": fmt([r["busy"] for r in rs], digits=2),
              "searcher tokens/s": fmt([r["tokens_per_s"] for r in rs], digits=0)} for m, rs in cells.items()]
     pairs = list(zip(cells["async"], cells["sync"]))
     ratio = [s["time_to_target_s"] / a["time_to_target_s"] for a, s in pairs if a["time_to_target_s"] and s["time_to_target_s"]]
@@ -189,13 +190,14 @@ def trl(cfg):
     target = f"{100 * cfg.target:.0f}%"
     rows = [{"system": name, "seed": r["seed"], f"time to {target} (s)": r["time_to_target_s"] or "not reached",
              f"steps to {target}": r["steps_to_target"] or "-", "start-up (s)": r["startup_s"],
-             "s / step": f"{r['s_per_step']:.2f}", "final score (%)": f"{100 * r['score']:.1f}"}
+             "s / step": f"{r['s_per_step']:.2f}", "trainer waits (s)": r["wait_s"], "final score (%)": f"{100 * r['score']:.1f}"}
             for name, rs in cells.items() for r in rs]
     summary = [{"system": name, f"median time to {target} (s)": median([r["time_to_target_s"] for r in rs]),
                 "reached": f"{sum(r['time_to_target_s'] is not None for r in rs)}/{len(rs)}",
                 f"median steps to {target}": median([r["steps_to_target"] for r in rs]),
                 "start-up (s)": fmt([r["startup_s"] for r in rs]), "s / step": fmt([r["s_per_step"] for r in rs], digits=2),
-                "final score (%)": fmt([r["score"] for r in rs], 100)} for name, rs in cells.items()]
+                "trainer waits (s)": fmt([r["wait_s"] for r in rs]), "final score (%)": fmt([r["score"] for r in rs], 100)}
+               for name, rs in cells.items()]
     trl_median = median([r["time_to_target_s"] for r in cells["GRPO (TRL GRPOTrainer)"]])
     ratios = "; ".join(f"{name.split(' ')[0]} {trl_median / t:.2f}" for name, rs in cells.items()
                        if "async" in name and (t := median([r["time_to_target_s"] for r in rs])))
@@ -232,13 +234,14 @@ def plot_time(cells, path, target):
 
 
 SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "tldr": tldr,
-            "ablations": ablations, "frontier": frontier, "trl": trl}
+            "ablations": ablations, "frontier": frontier, "trl": trl, "load": load}
 TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyness: sync period k (tiny GSM8K)",
           "buffer": "The buffer: m and prioritisation, TB (tiny GSM8K)", "tba_prime": "TBA' against beta decay (tiny GSM8K)",
           "tldr": "Table 1 in miniature: TL;DR at k = 10, m = 0.5 (tiny TL;DR)",
           "ablations": "Why TB trails the clipped baselines off-policy: one change at a time (tiny GSM8K)",
           "frontier": "TL;DR at k = 10: win rate against KL, by beta (tiny TL;DR)",
-          "trl": "This project against TRL's GRPOTrainer (tiny GSM8K)"}
+          "trl": "This project against TRL's GRPOTrainer (tiny GSM8K)",
+          "load": "A busy machine: fresh rounds against --no-fresh-rounds (tiny red-teaming and GSM8K)"}
 
 
 # -----------------------------------------------------------------------------
@@ -276,7 +279,7 @@ def main(argv=None):
     chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
     runs_per_seed = {"speed": 3, "staleness": math.prod(map(len, stale_grid(cfg))), "buffer": 4 if cfg.quick else 6,
-                     "tba_prime": 2, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(",")), "trl": 4}
+                     "tba_prime": 2, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(",")), "trl": 4, "load": 4}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
           f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached"

@@ -19,8 +19,9 @@ QUICK_SCHEDULE = ["--steps", "60", "--warmup-steps", "5", "--stable-steps", "35"
 # -----------------------------------------------------------------------------
 # One run, and a cell of runs
 
-def run(cfg, script, name, flags, seed, eval_every=None):
-    """One run of a task's tiny preset; returns its row: score, time to target, start-up, rates, diagnostics."""
+def run(cfg, script, name, flags, seed, eval_every=None, load=False):
+    """One run of a task's tiny preset; returns its row: score, time to target, start-up, rates, diagnostics.
+    load: a second process spins one core while it runs (a busy machine)."""
     run_dir = os.path.join(cfg.out, "runs", name)
     if cfg.reuse and (row := reused(cfg, run_dir, name, flags)) is not None:
         return row
@@ -28,8 +29,14 @@ def run(cfg, script, name, flags, seed, eval_every=None):
     cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--run-dir", run_dir, "--overwrite",
            "--cache-dir", cfg.cache_dir, "--seed", str(seed), "--eval-every", str(eval_every or cfg.eval_every),
            "--log-every", "1000000", *(QUICK_SCHEDULE if cfg.quick else []), *flags]
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load else None
     t0 = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     if out.returncode != 0:
         raise RuntimeError(f"run {name} failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
     row = summarise(*read_run(run_dir), cfg.target)
@@ -78,7 +85,7 @@ def summarise(records, headline, target):
     hit = next((r for r in evals if r[headline] >= target), None)
     mean = lambda key: _mean([r[key] for r in steps if r.get(key) is not None and not math.isnan(r[key])])
     trained = [r for r in evals if r["step"] > 0]  # the evaluation before training never counts in the score
-    return {"score": _mean([r[headline] for r in trained[-3:]]), "before": evals[0][headline],
+    return {"score": _mean([r[headline] for r in trained[-3:]]), "before": evals[0][headline], "final": evals[-1][headline],
             "time_to_target_s": None if hit is None else round(hit["time/eval_since_launch"], 1),
             "steps_to_target": None if hit is None else hit["step"],
             "startup_s": round(steps[0]["time/since_launch"] - steps[0]["time/train"], 1),
@@ -92,7 +99,9 @@ def summarise(records, headline, target):
             "round_age": mean("buffer/round_age"), "latest_size": mean("buffer/latest"),
             "drift": mean("offpolicy/drift"), "drift_p90": mean("offpolicy/drift_p90"),
             "ratio_out": mean("offpolicy/ratio_out"), "clip_frac": mean("offpolicy/clip_frac"),
-            "grad_clipped": mean("grad/clipped"),
+            "grad_clipped": mean("grad/clipped"), "loss_max": max(r["loss/train"] for r in steps),
+            "wait_s": round(sum(r.get("time/wait", 0.0) for r in steps), 1),  # the trainer's waits for fresh data
+            "empty_syncs": sum(r.get("buffer/new_round") is False for r in steps),  # merges that formed no round
             "curve": [(r["step"], r[headline]) for r in evals],
             "curve_s": [(r["time/eval_since_launch"], r[headline]) for r in evals]}
 
@@ -126,9 +135,9 @@ def fmt(values, scale=1.0, digits=1):
     return f"{scale * mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {scale * half:.{digits}f}")
 
 
-def cell(cfg, script, name, flags, eval_every=None):
+def cell(cfg, script, name, flags, eval_every=None, load=False):
     """The runs of one configuration over cfg.seeds seeds."""
-    return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every) for s in range(cfg.seeds)]
+    return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every, load) for s in range(cfg.seeds)]
 
 
 WARM = set()  # (script, seed) pairs whose warm start is known to be cached
@@ -154,7 +163,8 @@ DIAGNOSTICS = {"realised m": ("latest_frac", 2), "staleness mean": ("staleness_m
                "staleness max": ("staleness_max", 0), "round age": ("round_age", 1), "round size": ("latest_size", 0),
                "grad norm": ("grad_norm", 2), "kl": ("kl", 2), "log Z spread": ("log_Z_std", 2),
                "drift": ("drift", 3), "drift p90": ("drift_p90", 3), "ratio out": ("ratio_out", 3),
-               "clip frac": ("clip_frac", 3), "grad clipped": ("grad_clipped", 2)}
+               "clip frac": ("clip_frac", 3), "grad clipped": ("grad_clipped", 2), "empty syncs": ("empty_syncs", 1),
+               "trainer waits (s)": ("wait_s", 1), "loss max": ("loss_max", 0)}
 
 
 def diagnostics(rows, columns):

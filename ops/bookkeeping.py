@@ -63,6 +63,7 @@ class Bookkeeping:
         self.tracker = Tracker(run.cfg)  # metrics.jsonl, samples.jsonl, and TensorBoard or W&B with --report-to
         self.step, self.requested, self.t_step, self.t_merged = run.start, 0, time.time(), time.time()
         self.t_wait, self.waited, self.fill_bar = None, 0.0, None  # the merge's wait for the searchers
+        self.new_round = None  # whether this step's merge formed a new round (None: no merge)
 
     # -- stop signals, and a checkpoint on the way out
 
@@ -101,7 +102,7 @@ class Bookkeeping:
         if step == self.run.start or (self.cfg.eval_every and step % self.cfg.eval_every == 0):
             record.update(self.evaluate(step))  # (the first overlaps with the searchers' start-up and initial fill)
         self.t_merge = self.t_merged = time.time()  # (a step without a merge: time/merge and time/wait are 0)
-        self.waited = 0.0
+        self.waited, self.new_round = 0.0, None
         return record
 
     def wait_for_searchers(self, have, need):
@@ -131,7 +132,8 @@ class Bookkeeping:
             self.meter.restart()  # rates count from the first trained step on, after the initial fill
         else:
             self.meter.count(items)
-        if run.buffer.latest_round != c.round:  # the merge formed a new latest round
+        self.new_round = run.buffer.latest_round != c.round
+        if self.new_round:
             c.round, c.round_step = run.buffer.latest_round, step
         elif step > run.start:
             tqdm.write(f"sync at step {step}: no new trajectories from the searchers from the weights of step "
@@ -152,7 +154,7 @@ class Bookkeeping:
         self.meter.busy += train_seconds
         record.update({
             "time/merge": self.t_merged - self.t_merge, "time/wait": self.waited, "time/train": train_seconds,
-            "reward/fresh": c.fresh_reward, "buffer/fresh": c.fresh_count, "buffer/round_age": step - c.round_step,
+            "reward/fresh": c.fresh_reward, "buffer/fresh": c.fresh_count, "buffer/new_round": self.new_round, "buffer/round_age": step - c.round_step,
             "grad/skipped_total": c.skipped, "buffer/size": len(run.buffer), "buffer/queries": run.buffer.num_queries,
             "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": run.ref_version,
             "searcher/version": c.searcher_version, "searcher/restarts": run.searchers.restarts,

@@ -69,7 +69,7 @@ def test_bench_ablation_and_frontier_sections_tabulate(tmp_path, monkeypatch):
                             ablation_objectives="tb,grpo", frontier_betas="0.05,schedule")
     made = []
 
-    def fake_run(cfg, script, name, flags, seed, eval_every=None):
+    def fake_run(cfg, script, name, flags, seed, eval_every=None, load=False):
         made.append((script, name, flags))
         records = [dict(r, **({"offpolicy/drift": 0.1 * (seed + 1), "offpolicy/ratio_out": float("nan"),
                                "eval/kl": 0.02} if "loss/train" in r else {"eval/kl": 0.02})) for r in BENCH_RECORDS]
@@ -96,7 +96,7 @@ def test_bench_trl_section_tabulates_per_seed_and_ratio(tmp_path, monkeypatch):
     cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2)
     made = []
 
-    def fake_run(cfg, script, name, flags, seed, eval_every=None):  # TRL's runs reach 70% at 18 s, ours at 9 s
+    def fake_run(cfg, script, name, flags, seed, eval_every=None, load=False):  # TRL's runs reach 70% at 18 s, ours at 9 s
         made.append((script, name))
         late = [dict(r, **{"time/eval_since_launch": 2 * r["time/eval_since_launch"]}) if "eval/accuracy" in r else r
                 for r in BENCH_RECORDS]
@@ -107,7 +107,7 @@ def test_bench_trl_section_tabulates_per_seed_and_ratio(tmp_path, monkeypatch):
     assert ("run_gsm8k.py", "speed-async-seed1") in made, "TB's cell is the speed section's async cell"
     assert ("bench/peer.py", "peer-trl-seed0") in made and len(made) == 8
     assert "TRL / this project: TB 2.00; RLOO 2.00; GRPO 2.00" in text
-    assert "| GRPO (TRL GRPOTrainer) | 1 | 18.0 | 10 | 5.7 | 1.00 | 73.3 |" in text
+    assert "| GRPO (TRL GRPOTrainer) | 1 | 18.0 | 10 | 5.7 | 1.00 | 0.0 | 73.3 |" in text
     assert evidence.median([3.0, None, 1.0]) == 3.0 and evidence.median([None, None, 1.0]) is None
 
 
@@ -115,7 +115,7 @@ def test_bench_speed_section_compares_time_to_target_and_to_the_end(tmp_path, mo
     from bench import evidence, protocol as bench
     cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2)
 
-    def fake_run(cfg, script, name, flags, seed, eval_every=None):  # --sync runs take twice as long
+    def fake_run(cfg, script, name, flags, seed, eval_every=None, load=False):  # --sync runs take twice as long
         slow = lambda r: {**r, **{k: 2 * v for k, v in r.items() if k.startswith("time/") and "--sync" in flags}}
         return {**bench.summarise([slow(r) for r in BENCH_RECORDS], "eval/accuracy", 0.7), "name": name, "seed": seed}
 
