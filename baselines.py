@@ -11,7 +11,7 @@ The BASELINES TBA is compared against, run in the same system so that a comparis
                  the reward (`tb_rloo_gradient_ratio`): under Adam, "TB vs RLOO" compares how each handles
                  the KL term, clipping and stale data, not two different learning signals.
     --sync       the synchronous on-policy system: no searcher processes; every step the trainer generates a
-                 fresh batch with its own weights, then trains on exactly that batch (`SyncSearch`). Same
+                 fresh batch with its own weights, then trains on exactly that batch (searcher.SyncSearch). Same
                  loss, batch and model as the asynchronous run, so it measures what asynchrony buys.
 
 The trainer (tba.train_step) calls the TB loss itself and hands over to `baseline_loss` in one line.
@@ -23,9 +23,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from models import HFGenerator
-from searcher import PromptSampler, Searcher, json_rng_state, tuple_rng_state
 
 
 # -----------------------------------------------------------------------------
@@ -158,48 +155,3 @@ def baseline_loss(cfg, groups, token_logp, beta):
     if cfg.objective == "dr_grpo":
         return dr_grpo_loss(token_logp, behavior_token_logp, mask, reward, cfg.max_new_tokens, eps), clipped
     raise ValueError(f"unknown baseline objective {cfg.objective!r}")
-
-
-# -----------------------------------------------------------------------------
-# --sync: the on-policy system, in the trainer's process
-
-class SyncSearch:
-    """The searchers' interface (searcher.Searchers) for the on-policy baseline: each merge's poll generates a
-    fresh batch of Q prompts x S responses with the trainer's own policy, which becomes the buffer's latest round;
-    --sync sets k = 1 and m = 1 (config.parse_config), so every step trains on exactly that batch."""
-
-    def __init__(self, cfg):
-        self.restarts = 0
-
-    def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
-        self.cfg, self.version = cfg, step
-        # reference (and, for ratio objectives, behaviour) log-probs are left to the trainer's batched forward
-        self.searcher = Searcher(cfg, task, HFGenerator(policy, tokenizer, cfg.max_new_tokens), tokenizer,
-                                 task.make_scorer(cfg.device), cfg.seed)
-        self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.num_queries, cfg.seed)
-
-    def poll(self):
-        """A fresh batch: Q prompts x S responses from the current policy."""
-        return self.searcher.search(next(self.prompts), self.version, ref_version=-1)
-
-    def pause(self, paused):
-        pass  # (nothing runs beside the trainer)
-
-    def check_alive(self):
-        pass
-
-    def publish(self, policy, version):
-        self.version = version  # the in-process searcher generates with the trainer's own policy
-
-    def publish_ref(self, ref, version):
-        pass  # ... and the trainer scores the reference itself
-
-    def state_dict(self):
-        return {"prompts": self.prompts.state_dict(), "searcher_rng": json_rng_state(self.searcher.rng.getstate())}
-
-    def load_state_dict(self, state):
-        self.prompts.load_state_dict(state["prompts"])
-        self.searcher.rng.setstate(tuple_rng_state(state["searcher_rng"]))
-
-    def close(self, failing=False):
-        pass

@@ -122,6 +122,7 @@ class Config:
     report_to: str = eval_("none", "also log the metrics to: none | tensorboard (run_dir/tensorboard) | wandb "
                                    "(WANDB_MODE=offline keeps it offline)")
     # run
+    preset: str = run_("", "the named set of defaults the run started from (--preset; a task script lists them)")
     run_dir: str = run_("runs/tba", "directory for config.json, metrics.jsonl, checkpoints and the final model")
     seed: int = run_(0, "random seed for every process (each searcher offsets it by its rank)")
     sync: bool = run_(False, "synchronous on-policy baseline (baselines.py): generate then train in one process, "
@@ -188,6 +189,10 @@ class ConfigError(ValueError):
 
 class RunError(RuntimeError):
     """A run that started and could not go on: a searcher died, non-finite steps (exit code 1)."""
+
+
+class SearcherDied(RunError):
+    """A searcher process died or went silent (or a torchrun searcher rank, or a weight transfer to it, failed)."""
 
 
 class Stopped(Exception):
@@ -266,6 +271,8 @@ def build_parser(config_cls, defaults, description=None):
     groups = {name: parser.add_argument_group(name) for name in SECTIONS}  # (argparse leaves out empty ones)
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
+        if f.name == "preset":
+            continue  # (parse_config's own flag: its choices are the task script's presets)
         section = f.metadata.get("section", "task")
         kind = hints[f.name]
         optional = typing.get_origin(kind) is typing.Union
@@ -286,34 +293,28 @@ def _parse_as(base, optional):
 
 
 def parse_config(config_cls, presets, argv=None, default_preset=None, description=None):
-    """`--preset NAME` picks a column of defaults from `presets` (default: the first); every other flag
-    overrides one field."""
+    """The config of a command line: `--preset NAME` picks a column of defaults from `presets` (default: the
+    first); every other flag overrides one field."""
     default_preset = default_preset or next(iter(presets))
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=sorted(presets), default=default_preset)
     known, _ = pre.parse_known_args(argv)
     parser = build_parser(config_cls, presets[known.preset], description)
     parser.add_argument("--preset", choices=sorted(presets), default=known.preset, help="named set of defaults")
-    args = vars(parser.parse_args(argv))
-    preset = args.pop("preset")
-    cfg = config_cls(**args)
+    cfg = config_cls(**vars(parser.parse_args(argv)))
     if cfg.sync:  # on-policy: every step trains on the batch just generated, i.e. the latest round, k = 1
         cfg.sync_every, cfg.m = 1, 1.0
-    return cfg, preset
+    return cfg
 
 
-def config_record(cfg, preset):
-    return {"preset": preset, **dataclasses.asdict(cfg)}
-
-
-def print_config(cfg, preset):
-    record = config_record(cfg, preset)
+def print_config(cfg):
+    record = dataclasses.asdict(cfg)
     width = max(len(k) for k in record)
     print("\n".join(f"{k:<{width}} = {v}" for k, v in record.items()))
 
 
-def save_config(cfg, preset):
+def save_config(cfg):
     """Print the resolved config and save it as run_dir/config.json."""
-    print_config(cfg, preset)
+    print_config(cfg)
     with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-        json.dump(config_record(cfg, preset), f, indent=2)
+        json.dump(dataclasses.asdict(cfg), f, indent=2)

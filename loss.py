@@ -4,7 +4,7 @@ log-probs it consumes; the beta and learning-rate schedules that feed it.
 
 Everything here works on a (Q, K) grid: Q queries (prompts) x K responses to each. Nothing here knows
 about processes or buffers; `response_logprobs` turns a batch of token ids and a model into the
-per-token log-probabilities the loss sums (`shared_prompt_logprobs`: the same numbers, each prompt run once
+per-token log-probabilities the loss sums (models.shared_prompt_logprobs: the same numbers, each prompt run once
 for its K responses).
 
 VarGrad trajectory balance (paper Eq. 4-5). For a query x with K responses y_k, reward r_k, policy
@@ -150,41 +150,6 @@ def takes_logits_to_keep(model):
     return "logits_to_keep" in inspect.signature(forward).parameters
 
 
-def shared_prompt_logprobs(model, prompts, responses, pad_id, temperature=1.0):
-    """
-    `response_logprobs` for Q prompts with K responses each, every prompt run through the model once: the same
-    (Q K, R) log-probs as response_logprobs on make_batch([each prompt K times], responses), in the same
-    layout, for 1/K of the prompt's compute (half the step on the tiny GSM8K preset, whose prompts are ~6x its
-    responses). prompts: Q token-id lists; responses: Q K token-id lists, query-major (K per prompt).
-
-    The prompts' forward keeps its keys and values (transformers' KV cache, with grad); each is repeated for its
-    K responses, which run on top of it, as generation does:
-        prompts   [pad p1 p2 p3]            -> logits at p3 (predict r1) + the cache, repeated K times
-        responses [r1 r2 pad] at positions 3, 4, 5, attending to [0 1 1 1 | 1 1 0]
-    For a model transformers' way (a `logits_to_keep` argument and a cache), not under gradient checkpointing.
-    """
-    Q, device = len(prompts), next(model.parameters()).device
-    K, P, R = len(responses) // Q, max(len(p) for p in prompts), max(len(r) for r in responses)
-    if R == 0:
-        return torch.zeros(len(responses), 0)
-    prompt_ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # (Q, P)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(K)  # (Q K, ...): each prompt's keys and values for each of its responses
-    targets = torch.tensor([list(r) + [pad_id] * (R - len(r)) for r in responses], device=device)  # (Q K, R)
-    response_mask = torch.tensor([[1] * len(r) + [0] * (R - len(r)) for r in responses], device=device)
-    positions = prompt_mask.sum(dim=1).repeat_interleave(K)[:, None] + torch.arange(R, device=device)  # (Q K, R)
-    attention = torch.cat([prompt_mask.repeat_interleave(K, dim=0), response_mask], dim=1)  # (Q K, P + R)
-    logits = model(input_ids=targets, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=R).logits  # (Q K, R, V)
-    logits = torch.cat([out.logits.repeat_interleave(K, dim=0), logits[:, :-1]], dim=1)  # predict r1 .. rR
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    token_logp = torch.gather(F.log_softmax(logits, dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)
-    return torch.where(response_mask.bool(), token_logp, torch.zeros_like(token_logp))
-
-
 def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature=1.0):
     """Sum of log pi(token) over the response tokens of each row, log pi(y|x): (N,)."""
     return response_logprobs(model, input_ids, attention_mask, response_mask, temperature).sum(dim=1)
@@ -207,37 +172,65 @@ def beta_schedule(step, beta_start, beta_end, decay_steps, stop_step=None):
     return beta_start + (beta_end - beta_start) * step / decay_steps
 
 
-def wsd_schedule(optimizer, warmup, stable, decay, floor=0.0, decay_type="cosine"):
+def wsd_schedule(warmup, stable, decay, floor=0.0, decay_type="cosine"):
     """
-    Warmup-stable-decay learning-rate multiplier as a function of the trainer step, from transformers'
-    `get_wsd_schedule` (the official code's scheduler): linear warmup to 1 over `warmup` steps, 1 for
-    `stable` steps, then a cosine (official) or linear decay to `floor` over `decay` steps, `floor` after.
-    The official trainer steps the scheduler before each update, so step s (0-based) gets the multiplier
-    of s + 1: the first update uses 1/warmup of the peak. Official GSM8K: warmup 50, stable 350, decay 600,
-    cosine, with the run stopped at step 700 (multiplier 0.5 there).
+    Warmup-stable-decay learning-rate multiplier as a function of the trainer step: transformers'
+    `get_wsd_schedule` (the official code's scheduler) written out, so that this file needs torch alone. Linear
+    warmup from `floor` to 1 over `warmup` steps, 1 for `stable` steps, then a cosine (official) or linear decay
+    to `floor` over `decay` steps, `floor` after. The official trainer steps the scheduler before each update,
+    so step s (0-based) gets the multiplier of s + 1: the first update uses 1/warmup of the peak. Official
+    GSM8K: warmup 50, stable 350, decay 600, cosine, with the run stopped at step 700 (multiplier 0.5 there).
     """
-    from transformers import get_wsd_schedule
-    scheduler = get_wsd_schedule(optimizer, warmup, decay, num_stable_steps=stable, decay_type=decay_type,
-                                 min_lr_ratio=floor)
-    return lambda step: scheduler.lr_lambdas[0](step + 1)
+    def multiplier(step):
+        s = step + 1
+        if s < warmup:
+            return floor + (1 - floor) * s / warmup
+        if s < warmup + stable:
+            return 1.0
+        if s < warmup + stable + decay:
+            progress = (s - warmup - stable) / decay
+            shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay_type == "cosine" else 1 - progress
+            return floor + (1 - floor) * shape
+        return floor
+    return multiplier
 
 
-if __name__ == "__main__":
+class _ToyLM(torch.nn.Module):
+    """A bigram language model with a transformers-style forward, for the self-check: logits from the token alone."""
+
+    def __init__(self, vocab=7):
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return type("Out", (), {"logits": self.table(input_ids)})
+
+
+if __name__ == "__main__":  # the self-check: python loss.py (torch alone)
     torch.manual_seed(0)
     Q, K, beta = 4, 5, 0.05
     ref_logp = -10 * torch.rand(Q, K)
     reward = torch.randint(0, 2, (Q, K)).float()
-    c = torch.randn(Q, 1)  # any per-query constant
+    c = torch.randn(Q, 1)  # any per-prompt constant
     logp_opt = (ref_logp + reward / beta - c).requires_grad_()
     loss = vargrad_tb_loss(logp_opt, ref_logp, reward, beta)
     loss.backward()
     print(f"loss at the optimum: {loss.item():.2e}, max |grad|: {logp_opt.grad.abs().max().item():.2e}")
+    assert loss.item() < 1e-9 and logp_opt.grad.abs().max().item() < 1e-6, "TB's optimum is pi ∝ pi_ref exp(r / beta)"
     logp = (-10 * torch.rand(Q, K)).requires_grad_()
     vargrad_tb_loss(logp, ref_logp, reward, beta).backward()
     kl = (logp - ref_logp).detach()
     A = (reward - reward.mean(1, keepdim=True)) - beta * (kl - kl.mean(1, keepdim=True))
-    print(f"Appendix A gradient, max abs error: {(logp.grad + 2 / beta * A / (Q * K)).abs().max().item():.2e}")
+    error = (logp.grad + 2 / beta * A / (Q * K)).abs().max().item()
+    print(f"Appendix A gradient, max abs error: {error:.2e}")
+    assert error < 1e-4, "the gradient is the KL-shaped advantage of Appendix A"
+    model, prompts, responses = _ToyLM(), [[1, 2, 3], [4]], [[5, 6], [2]]
+    padded = sequence_logprobs(model, *make_batch(prompts, responses, pad_id=0))
+    alone = torch.cat([sequence_logprobs(model, *make_batch([p], [r], pad_id=0)) for p, r in zip(prompts, responses)])
+    print(f"sequence log-probs with and without padding: {padded.tolist()} {alone.tolist()}")
+    assert torch.allclose(padded, alone), "padding adds nothing to log pi(y|x)"
     print("beta at steps 0, 250, 500, 700:", [round(beta_schedule(s, 0.014, 0.004, 500), 4) for s in (0, 250, 500, 700)])
-    lr_at = wsd_schedule(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 50, 350, 600)
+    lr_at = wsd_schedule(50, 350, 600)
     print("lr multiplier at steps 0, 49, 200, 699, 1000:", [round(lr_at(s), 3) for s in (0, 49, 200, 699, 1000)])
-    assert math.isclose(beta_schedule(0, 0.014, 0.004, 500), 0.014)
+    assert math.isclose(beta_schedule(0, 0.014, 0.004, 500), 0.014) and math.isclose(lr_at(699), 0.5)
+    print("loss.py: self-check passed")

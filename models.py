@@ -16,19 +16,22 @@ searchers (searcher.py) and the tasks' evaluations (rewards.py, tasks/).
     stop_ids(model, tokenizer)        every id that ends a response: the tokenizer's EOS and the model's
                                       generation-config EOS ids (a chat model ends its turn with another id)
     score_logprobs(model, ...)        no-grad log pi(y|x) of (prompt, response) pairs, a micro-batch at a time
-    Policy                            text in, text out: what a task's `evaluate` works with
+    shared_prompt_logprobs(model, ...)   log pi of K responses per prompt, each prompt run once (its KV cache)
+    EvalPolicy                        text in, text out: what a task's `evaluate` works with
 
 Sampling is full-support (top_k=0, top_p=1), as TB requires of an off-policy sampler.
 
 Run it through a run_*.py script; this module has no entry point of its own.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from config import ConfigError
-from loss import make_batch, response_logprobs, shared_prompt_logprobs, takes_logits_to_keep
+from loss import make_batch, response_logprobs, takes_logits_to_keep
 
 
 # -----------------------------------------------------------------------------
@@ -199,6 +202,41 @@ def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batc
     return out
 
 
+def shared_prompt_logprobs(model, prompts, responses, pad_id, temperature=1.0):
+    """
+    loss.response_logprobs for Q prompts with K responses each, every prompt run through the model once: the same
+    (Q K, R) log-probs as response_logprobs on make_batch([each prompt K times], responses), in the same
+    layout, for 1/K of the prompt's compute (half the step on the tiny GSM8K preset, whose prompts are ~6x its
+    responses). prompts: Q token-id lists; responses: Q K token-id lists, query-major (K per prompt).
+
+    The prompts' forward keeps its keys and values (transformers' KV cache, with grad); each is repeated for its
+    K responses, which run on top of it, as generation does:
+        prompts   [pad p1 p2 p3]            -> logits at p3 (predict r1) + the cache, repeated K times
+        responses [r1 r2 pad] at positions 3, 4, 5, attending to [0 1 1 1 | 1 1 0]
+    For a model transformers' way (a `logits_to_keep` argument and a cache), not under gradient checkpointing.
+    """
+    Q, device = len(prompts), next(model.parameters()).device
+    K, P, R = len(responses) // Q, max(len(p) for p in prompts), max(len(r) for r in responses)
+    if R == 0:
+        return torch.zeros(len(responses), 0)
+    prompt_ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # (Q, P)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(K)  # (Q K, ...): each prompt's keys and values for each of its responses
+    targets = torch.tensor([list(r) + [pad_id] * (R - len(r)) for r in responses], device=device)  # (Q K, R)
+    response_mask = torch.tensor([[1] * len(r) + [0] * (R - len(r)) for r in responses], device=device)
+    positions = prompt_mask.sum(dim=1).repeat_interleave(K)[:, None] + torch.arange(R, device=device)  # (Q K, R)
+    attention = torch.cat([prompt_mask.repeat_interleave(K, dim=0), response_mask], dim=1)  # (Q K, P + R)
+    logits = model(input_ids=targets, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=R).logits  # (Q K, R, V)
+    logits = torch.cat([out.logits.repeat_interleave(K, dim=0), logits[:, :-1]], dim=1)  # predict r1 .. rR
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    token_logp = torch.gather(F.log_softmax(logits, dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(response_mask.bool(), token_logp, torch.zeros_like(token_logp))
+
+
 def same_prompt_run(prompts):
     """K if the prompts come as blocks of K equal ones (K > 1), else 1."""
     K = next((i for i, p in enumerate(prompts) if p != prompts[0]), len(prompts))
@@ -216,7 +254,7 @@ class Completion:
     finished: bool  # ended with a stop id (False: cut at max_new_tokens)
 
 
-class Policy:
+class EvalPolicy:
     """The trained policy and its reference, text in and out: what `Task.evaluate` works with."""
 
     def __init__(self, cfg, model, ref, tokenizer):
@@ -259,6 +297,17 @@ def without_dropout(model):
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
     return model
+
+
+@contextlib.contextmanager
+def recomputing_activations(model, on):
+    """With --gradient-checkpointing (on), the block's forwards and backwards run in train mode, the only mode in
+    which transformers recomputes activations (every dropout is off: `without_dropout`); eval mode after it."""
+    model.train(on)
+    try:
+        yield
+    finally:
+        model.eval()
 
 
 def add_lora(model, cfg):

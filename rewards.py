@@ -150,7 +150,7 @@ class Task:
       make_scorer(device)       called once in each process that scores (every searcher; the trainer for
                                 --sync and evaluation): loads whatever the reward needs and returns a batched
                                 score(prompts, completions, metas) -> list[float], completions being texts
-      evaluate(policy, n)       every eval metric of `policy` (a models.Policy: generate and score
+      evaluate(policy, n)       every eval metric of `policy` (a models.EvalPolicy: generate and score
                                 log-probs) on the first n held-out prompts, as a dict of numbers; the dict may
                                 also hold an "example" completion (a string) for the log and "samples" (a
                                 dict per prompt: prompt, completion, scores) for samples.jsonl

@@ -33,8 +33,10 @@ import random
 import sys
 from dataclasses import dataclass
 
+import tba
 from config import Config, knob
-from ops.launch import main
+from ops.launch import cli
+from searcher import spawn_searchers
 
 TINY = dict(
     run_dir="runs/gsm8k-tiny", steps=300, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
@@ -91,10 +93,10 @@ class GSM8KConfig(Config):
     tiny_sft_guess_acc: float = knob(0.5, "tiny: how often the SFT teacher's bare answers are right")
 
 
-def make_task(cfg, preset):
+def make_task(cfg):
     """The GSM8K task for this preset; for tiny, also the SFT warm start as the policy unless --model is set."""
     from rewards import GSM8KTask, gsm8k_path, load_gsm8k
-    if preset == "paper":
+    if cfg.preset == "paper":
         train_rows = load_gsm8k(gsm8k_path("train", cfg.data_dir, cfg.cache_dir))
         return GSM8KTask.from_rows(train_rows, load_gsm8k(gsm8k_path("test", cfg.data_dir, cfg.cache_dir)))
     shape = (cfg.tiny_max_start, cfg.tiny_max_step, cfg.tiny_num_ops)
@@ -188,16 +190,13 @@ def warm_start(cfg, train_rows):
 PRESETS = {"tiny": TINY, "paper": PAPER}
 
 
-
-def train(cfg, task, searchers):
-    """tba.train, imported only when called: the searchers were spawned before this process imported torch."""
-    import tba
-    return tba.train(cfg, task, searchers)
-
-
-def cli(argv=None):
-    return main(GSM8KConfig, PRESETS, make_task, train, argv, description=__doc__.split("\n\n")[0])
+def main(cfg):
+    """GSM8K with TBA: the searchers start first (their imports overlap the warm start's), then the
+    task, then the trainer (ops/launch.py runs it after its checks)."""
+    with spawn_searchers(cfg) as searchers:  # searcher.py: stopped when the block ends, on every path
+        task = make_task(cfg)
+        return tba.train(cfg, task, searchers)
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(cli(GSM8KConfig, PRESETS, main, description=__doc__.split("\n\n")[0]))

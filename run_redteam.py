@@ -36,8 +36,10 @@ import random
 import sys
 from dataclasses import dataclass
 
+import tba
 from config import Config, ConfigError, knob
-from ops.launch import main
+from ops.launch import cli
+from searcher import spawn_searchers
 
 TINY = dict(
     run_dir="runs/redteam-tiny", steps=200, model="", victim="", classifier="profanity-check",
@@ -110,14 +112,14 @@ class RedTeamConfig(Config):
             raise ConfigError(f"red-teaming needs {' and '.join(missing)}: pip install -r requirements.txt")
 
 
-def make_task(cfg, preset):
+def make_task(cfg):
     """The red-teaming task; for tiny, also the cached attacker (as the policy) and victim unless given."""
     from tasks.redteam import RedTeamTask
     if cfg.gamma <= 0:
         raise ConfigError("--gamma must be > 0")
     if cfg.gamma != 1 and cfg.beta_start != cfg.beta_end:
         raise ConfigError("--gamma != 1 needs a constant beta (--beta-start == --beta-end): beta is inside the reward")
-    if preset == "paper":
+    if cfg.preset == "paper":
         if not cfg.model:
             raise ConfigError("--preset paper needs --model: a GPT-2 SFT'd on Lee et al.'s instructions "
                               "(see the GFNOrg/red-teaming README for their checkpoint)")
@@ -213,10 +215,7 @@ def vocabulary():
 
 def warm_start(cfg):
     """Paths of the SFT'd tiny attacker and the trained tiny victim for these settings (built once, cached)."""
-    import torch
     import tiny
-    # the trainer process's thread count: measured here, 2 threads on 2 busy cores made each SFT step 9x slower
-    torch.set_num_threads(cfg.trainer_threads)
     words = vocabulary()
     shape = dict(hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, examples=cfg.tiny_examples, batch=cfg.tiny_sft_batch,
                  lr=cfg.tiny_sft_lr, words=len(words), seed=cfg.seed, version=1)
@@ -244,16 +243,13 @@ def warm_start(cfg):
 PRESETS = {"tiny": TINY, "paper": PAPER}
 
 
-
-def train(cfg, task, searchers):
-    """tba.train, imported only when called: the searchers were spawned before this process imported torch."""
-    import tba
-    return tba.train(cfg, task, searchers)
-
-
-def cli(argv=None):
-    return main(RedTeamConfig, PRESETS, make_task, train, argv, description=__doc__.split("\n\n")[0])
+def main(cfg):
+    """Red-teaming with TBA: the searchers start first (their imports overlap the attacker's and
+    victim's training), then the task, then the trainer (ops/launch.py runs it after its checks)."""
+    with spawn_searchers(cfg) as searchers:  # searcher.py: stopped when the block ends, on every path
+        task = make_task(cfg)
+        return tba.train(cfg, task, searchers)
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(cli(RedTeamConfig, PRESETS, main, description=__doc__.split("\n\n")[0]))

@@ -39,8 +39,10 @@ import random
 import sys
 from dataclasses import dataclass
 
+import tba
 from config import ConfigError, Config, knob
-from ops.launch import main
+from ops.launch import cli
+from searcher import spawn_searchers
 
 TINY = dict(
     run_dir="runs/tldr-tiny", steps=50, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
@@ -101,17 +103,15 @@ class TLDRConfig(Config):
     tiny_rm_lr: float = knob(2e-3, "tiny: proxy reward model peak learning rate")
 
 
-def make_task(cfg, preset):
+def make_task(cfg):
     """The TL;DR task; for tiny, also the SFT policy (unless --model) and the proxy RM (unless --proxy-rm)."""
-    if preset == "paper" and not (cfg.proxy_rm and cfg.gold_rm):
+    if cfg.preset == "paper" and not (cfg.proxy_rm and cfg.gold_rm):
         raise ConfigError("--proxy-rm and --gold-rm are needed with real data (fact_score is the tiny preset's gold)")
     from transformers import AutoTokenizer
     from tasks.tldr import TLDRTask, tldr_rows
-    if preset == "paper":
+    if cfg.preset == "paper":
         train_rows, eval_rows = tldr_rows("train", cfg.data_dir), tldr_rows("validation", cfg.data_dir)
     else:
-        import torch
-        torch.set_num_threads(cfg.trainer_threads)  # 2 threads on 2 busy cores can be 10x slower than 1
         train_rows = make_corpus(cfg.tiny_train_size, cfg.seed)
         eval_rows = make_corpus(cfg.tiny_eval_size, cfg.seed + 1, exclude={r["post"] for r in train_rows})
         cfg.model = cfg.model or warm_start(cfg, train_rows)
@@ -303,16 +303,13 @@ def pair_accuracy(model, tokenizer, pairs, batch_size=200):
 PRESETS = {"tiny": TINY, "paper": PAPER}
 
 
-
-def train(cfg, task, searchers):
-    """tba.train, imported only when called: the searchers were spawned before this process imported torch."""
-    import tba
-    return tba.train(cfg, task, searchers)
-
-
-def cli(argv=None):
-    return main(TLDRConfig, PRESETS, make_task, train, argv, description=__doc__.split("\n\n")[0])
+def main(cfg):
+    """TL;DR with TBA: the searchers start first (their imports overlap the SFT and reward model's),
+    then the task, then the trainer (ops/launch.py runs it after its checks)."""
+    with spawn_searchers(cfg) as searchers:  # searcher.py: stopped when the block ends, on every path
+        task = make_task(cfg)
+        return tba.train(cfg, task, searchers)
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(cli(TLDRConfig, PRESETS, main, description=__doc__.split("\n\n")[0]))

@@ -1,38 +1,19 @@
 """
 The SEARCHERS of TBA: processes that hold a stale copy of the policy, generate and score responses, and send
-trajectories to the trainer; and the trainer's end of them (spawn, shared weights, queues, merge).
+trajectories to the trainer; and the trainer's end of them. A task script starts them, then builds its task:
 
-A searcher process (`searcher_process` -> `searcher_main`) loops until told to stop:
-    1. if the trainer published newer weights (policy or reference), copy them in;
-    2. take the next `prompts_per_search` prompts of its own shard of the training set (cycling, reshuffled
-       every pass);
-    3. generate S = `samples_per_prompt` responses per prompt at the sampling temperature (optionally a
-       random temperature per batch, for exploration, as the official code offers);
-    4. score them with the task's scorer (loaded once in this process by `task.make_scorer`), and compute
-       what the objective needs and is cheaper here than on the trainer: the reference log-prob (tagged with
-       the reference version it came from, so the trainer can recompute it if the reference has since
-       moved); the behaviour log-prob log mu(y|x) comes with generation (no second forward);
-    5. put the batch of `Trajectory`s (each with the policy version that generated it) on its queue.
+    with spawn_searchers(cfg) as searchers:      # processes (torch.multiprocessing, spawn), stopped at the end
+        tba.train(cfg, make_task(cfg), searchers)
 
-The trainer (tba.py) talks to one `Searchers` object:
-    searchers.start(cfg, task, policy, ref, tokenizer, step)   hand the searchers their job and the weights
-    searchers.poll()                  every trajectory the searchers sent since the last poll (tba.merge adds
-                                      them to the buffer as one round, waiting for more if need be)
-    searchers.publish(policy, version), publish_ref(ref, version)   new weights for the searchers
-    searchers.pause(True), pause(False)   hold the searchers (while the trainer evaluates), let them go on
-    searchers.check_alive()           raise SearcherDied if one died or went silent (or restart it)
-    searchers.close()                 stop every process
-Weights travel through `SharedWeights`: one shared-memory copy of the state dict plus a version counter,
-guarded by a lock; the trainer writes it at every sync and a searcher copies it into its model when the
-version changed. Batches go on one multiprocessing queue per searcher. Nothing is pickled per step.
-
-The loop talks to the trainer through a `link`, so the same loop serves one machine (QueueLink, here) and
-many (ops/distributed.py: the same interface over torch.distributed). The --sync baseline (baselines.py)
-runs `Searcher` in the trainer's own process instead.
+The trainer talks to one `Searchers` object: start, poll (what arrived: tba.merge makes a round of it), publish,
+pause, check_alive. Weights travel through `SharedWeights` (a shared-memory state dict and a version counter),
+batches on one queue per searcher. The same interface serves --sync (`SyncSearch`, in the trainer's process)
+and torchrun (ops/distributed.py); the searcher loop (`searcher_main`: weights in, prompts, generate, score,
+batch out) reaches the trainer through a `link`, which serves both kinds of machine.
 
 Departures from the official code:
-  1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived (see
-     buffer.py for how the staleness of most-on-policy draws stays bounded).
+  1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived, and waits
+     only when nothing new enough has (tba.merge).
   2. A searcher that raises exits non-zero with its traceback on stderr; the trainer notices within one
      step and stops the run (the official MPI code hangs), or restarts it (--on-searcher-failure restart).
   3. Searchers shuffle their shard of the prompts every pass; the official searchers walk it in dataset order.
@@ -43,7 +24,6 @@ Run it through a run_*.py script; this module has no entry point of its own.
 
 import importlib
 import math
-import multiprocessing
 import os
 import queue
 import random
@@ -53,170 +33,32 @@ import time
 from tqdm import tqdm
 
 from buffer import Trajectory
-from config import RunError
-
-
-class SearcherDied(RunError):
-    pass
-
-
-class StopRequested(Exception):
-    """A stop signal arrived while the trainer waited for searchers (the trainer checkpoints and stops)."""
-
-
-# -----------------------------------------------------------------------------
-# A searcher process
-
-def searcher_process(rank, jobs, out_queue, stop_event, pause_event, policy_weights, ref_weights, parent_pid):
-    """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it.
-    Stop signals are the trainer's to handle: a searcher ends when told to or when the trainer is gone."""
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, signal.SIG_IGN)
-    try:
-        importlib.import_module("transformers.models.auto.modeling_auto")  # (the ~5 s import, done while waiting)
-        while not stop_event.is_set() and os.getppid() == parent_pid:
-            try:
-                job = jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            policy_weights.tensors, ref_weights.tensors = job["policy"], job["ref"]
-            link = QueueLink(policy_weights, ref_weights, out_queue, stop_event, pause_event, parent_pid)
-            searcher_main(rank, job["cfg"], job["task"], job["seed"], link)
-            return
-    finally:
-        out_queue.cancel_join_thread()  # never block exit on data nobody will read
-
-
-def searcher_main(rank, cfg, task, seed, link):
-    """The work of a searcher, whatever started it. `link` is its connection to the trainer (QueueLink, or
-    ops/distributed.StoreLink): link.alive() is False once the trainer said stop or is gone (and waits while it holds
-    the run); link.pull(kind, model, version) copies newer "policy" or "ref" weights into the model and returns the
-    version it holds; link.put(batch) sends a batch, waiting while the trainer's queue is full. Errors exit non-zero."""
-    import torch
-    from models import autocast, dtype_of, load_model
-    from ops.devices import claim_gpu
-    torch.set_num_threads(cfg.searcher_threads)
-    torch.manual_seed(seed)
-    device = claim_gpu(cfg, cfg.searcher_devices[rank])  # (vLLM takes the first visible GPU: mask the others)
-    policy, tokenizer = load_model(cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)
-    needs = cfg.needs
-    ref = (load_model(cfg.ref_model or cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)[0]
-           if "ref_logp" in needs else None)
-    generator = make_generator(cfg, policy, tokenizer, seed, device)
-    searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
-                        policy=policy if {"behavior_logp", "behavior_token_logp"} & set(needs) else None, ref=ref)
-    version = ref_version = -1
-    for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
-        if not link.alive():
-            break
-        new_version = link.pull("policy", policy, version)  # 1. newer weights
-        if new_version != version and generator.model is not policy:
-            generator.load_state_dict(policy.state_dict())  # the backend's own copy (vLLM's engine)
-        version = new_version
-        if ref is not None:
-            ref_version = link.pull("ref", ref, ref_version)
-        with autocast(cfg, device):  # (--dtype bf16-mixed)
-            batch = searcher.search(query_ids, version, ref_version)  # 2.-4. prompts, generate, score
-        if not link.put(batch):  # 5. send
-            break
-
-
-def make_generator(cfg, policy, tokenizer, seed, device):
-    """The generation backend: transformers `generate`, or vLLM's engine (optional: imported only when chosen)."""
-    from models import HFGenerator
-    if cfg.backend == "vllm":
-        from ops.vllm_backend import VLLMGenerator
-        return VLLMGenerator(cfg, policy, tokenizer, seed, device)
-    return HFGenerator(policy, tokenizer, cfg.max_new_tokens)
-
-
-class Searcher:
-    """Turns query ids into scored, annotated Trajectories. Used by searcher processes and by --sync mode."""
-
-    def __init__(self, cfg, task, generator, tokenizer, scorer, seed, policy=None, ref=None):
-        """`policy` / `ref`: models to score behaviour / reference log-probs with (None: leave them to the trainer)."""
-        self.cfg, self.task, self.generator, self.tokenizer, self.scorer = cfg, task, generator, tokenizer, scorer
-        self.policy, self.ref = policy, ref
-        self.prompt_ids = {}  # query id -> token ids, filled as prompts are first used
-        self.rng = random.Random(seed)
-
-    def temperature(self):
-        lo, hi = self.cfg.temperature, self.cfg.temperature_max
-        return lo if hi is None else self.rng.uniform(lo, hi)
-
-    def search(self, query_ids, policy_version, ref_version):
-        """S responses to each query, generated by the weights of `policy_version`, scored: a list of Trajectory
-        (query-major). Reference log-probs are tagged with `ref_version`, the reference they came from."""
-        from models import completions, encode_prompts, score_logprobs
-        cfg, S = self.cfg, self.cfg.samples_per_prompt
-        for q, ids in zip(query_ids, encode_prompts(self.tokenizer, [self.task.prompts[q] for q in query_ids])):
-            self.prompt_ids[q] = ids
-        responses, behavior = self.generator.sample([self.prompt_ids[q] for q in query_ids], S, self.temperature(),
-                                                    cfg.score_temperature)  # behaviour log-probs: no extra forward
-        qids = [q for q in query_ids for _ in range(S)]
-        done = completions(self.tokenizer, responses, self.generator.stop_ids)
-        rewards = self.scorer([self.task.prompts[q] for q in qids], [c.text for c in done],
-                              [self.task.metas[q] for q in qids])
-        if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
-            rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
-        prompts, pad = [self.prompt_ids[q] for q in qids], self.tokenizer.pad_token_id
-        temperature = cfg.score_temperature  # (the loss's, not the sampling temperature of this batch)
-        if behavior is None:  # (vLLM at a loss temperature other than the sampling one) a forward, if needed
-            behavior = [()] * len(qids) if self.policy is None else score_logprobs(
-                self.policy, prompts, responses, pad, temperature, cfg.micro_batch, per_token=True)
-        ref_logp = (score_logprobs(self.ref, prompts, responses, pad, temperature, cfg.micro_batch, share_prompt=cfg.share_prompt)
-                    if self.ref is not None else [math.nan] * len(qids))
-        ref_version = ref_version if self.ref is not None else -1
-        return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
-                           behavior_logp=math.fsum(b) if b else math.nan, ref_logp=float(lr), ref_version=ref_version,
-                           behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (memory: GRPO only)
-                for q, r, rw, b, lr in zip(qids, responses, rewards, behavior, ref_logp)]
-
-
-class PromptSampler:
-    """Endless batches of query ids from one searcher's shard (every prompt if fewer than searchers), reshuffled every pass."""
-
-    def __init__(self, num_prompts, rank, world, batch_size, seed):
-        self.shard = list(range(rank, num_prompts, world)) or list(range(num_prompts))
-        self.batch_size = batch_size
-        self.rng, self.order, self.pos = random.Random(seed), [], 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.pos >= len(self.order):
-            self.order, self.pos = self.rng.sample(self.shard, len(self.shard)), 0
-        batch = self.order[self.pos:self.pos + self.batch_size]
-        self.pos += self.batch_size
-        return batch
-
-    def state_dict(self):
-        return {"rng": json_rng_state(self.rng.getstate()), "order": self.order, "pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.rng.setstate(tuple_rng_state(state["rng"]))
-        self.order, self.pos = state["order"], state["pos"]
-
-
-def json_rng_state(state):
-    """random.Random.getstate() (version, internal state, gauss) as JSON-friendly lists."""
-    return [state[0], list(state[1]), state[2]]
-
-
-def tuple_rng_state(state):
-    return state[0], tuple(state[1]), state[2]
+from config import SearcherDied
+from ops.devices import torchrun_rank
 
 
 # -----------------------------------------------------------------------------
 # The trainer's end: processes, shared weights, queues
 
+def spawn_searchers(cfg):
+    """The searchers of this run, started now (their slow imports then overlap the trainer's): processes on this
+    machine (`Searchers`), with --sync the trainer's own process (`SyncSearch`), or under torchrun the job's
+    other ranks (ops/distributed.py). Use it as a context manager: its end stops them, on every path."""
+    if cfg.sync:
+        return SyncSearch(cfg)
+    if torchrun_rank() is not None:
+        from ops.distributed import DistSearchers
+        return DistSearchers(cfg)
+    return Searchers(cfg)
+
+
 class Searchers:
-    """The searcher processes, one queue each, and the shared weights. Always `close()` it."""
+    """The searcher processes, one queue each, and the shared weights. A context manager: leaving it stops them."""
 
     def __init__(self, cfg):
+        import torch.multiprocessing as mp  # (imports torch: here, not at import time, so that --help answers at once)
         self.cfg = cfg
-        self.ctx = multiprocessing.get_context("spawn")  # CUDA-safe; each child imports what it needs
+        self.ctx = mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
         self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
         self.policy_weights, self.ref_weights = SharedWeights(self.ctx), SharedWeights(self.ctx)
         n = cfg.num_searchers
@@ -224,6 +66,12 @@ class Searchers:
         self.restarts, self.job = 0, None
         for rank in range(n):
             self._spawn(rank)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        self.close()
 
     def _spawn(self, rank):
         """(Re)start searcher `rank` with fresh queues: a process killed mid-write can leave its queue corrupt."""
@@ -304,7 +152,7 @@ class Searchers:
     def load_state_dict(self, state):
         self.restarts = state["restarts"]
 
-    def close(self, failing=False):
+    def close(self):
         """Stop every searcher: ask, wait up to 5 s, then kill. Safe to call twice."""
         self.stop_event.set()
         deadline = time.time() + 5.0
@@ -347,6 +195,140 @@ class SharedWeights:
             return self.version.value
 
 
+# -----------------------------------------------------------------------------
+# A searcher process
+
+def searcher_process(rank, jobs, out_queue, stop_event, pause_event, policy_weights, ref_weights, parent_pid):
+    """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it.
+    Stop signals are the trainer's to handle: a searcher ends when told to or when the trainer is gone."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        importlib.import_module("transformers.models.auto.modeling_auto")  # (the ~5 s import, done while waiting)
+        while not stop_event.is_set() and os.getppid() == parent_pid:
+            try:
+                job = jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            policy_weights.tensors, ref_weights.tensors = job["policy"], job["ref"]
+            link = QueueLink(policy_weights, ref_weights, out_queue, stop_event, pause_event, parent_pid)
+            searcher_main(rank, job["cfg"], job["task"], job["seed"], link)
+            return
+    finally:
+        out_queue.cancel_join_thread()  # never block exit on data nobody will read
+
+
+def searcher_main(rank, cfg, task, seed, link):
+    """The work of a searcher, whatever started it, through its `link` to the trainer (QueueLink, StoreLink): alive()
+    is False once the trainer said stop or is gone (and waits while it holds the run); pull(kind, model, version)
+    copies newer "policy" or "ref" weights in; put(batch) sends, waiting while the queue is full."""
+    import torch
+    from models import HFGenerator, autocast, dtype_of, load_model
+    from ops.devices import claim_gpu
+    torch.set_num_threads(cfg.searcher_threads)
+    torch.manual_seed(seed)
+    device = claim_gpu(cfg, cfg.searcher_devices[rank])  # (vLLM takes the first visible GPU: mask the others)
+    policy, tokenizer = load_model(cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)
+    needs = cfg.needs
+    ref = (load_model(cfg.ref_model or cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)[0]
+           if "ref_logp" in needs else None)
+    if cfg.backend == "vllm":  # (vLLM is optional: imported only when chosen)
+        from ops.vllm_backend import VLLMGenerator
+        generator = VLLMGenerator(cfg, policy, tokenizer, seed, device)
+    else:
+        generator = HFGenerator(policy, tokenizer, cfg.max_new_tokens)
+    searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed,
+                        policy=policy if {"behavior_logp", "behavior_token_logp"} & set(needs) else None, ref=ref)
+    version = ref_version = -1
+    for query_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
+        if not link.alive():
+            break
+        new_version = link.pull("policy", policy, version)  # 1. newer weights
+        if new_version != version and generator.model is not policy:
+            generator.load_state_dict(policy.state_dict())  # the backend's own copy (vLLM's engine)
+        version = new_version
+        if ref is not None:
+            ref_version = link.pull("ref", ref, ref_version)
+        with autocast(cfg, device):  # (--dtype bf16-mixed)
+            batch = searcher.search(query_ids, version, ref_version)  # 2.-4. prompts, generate, score
+        if not link.put(batch):  # 5. send
+            break
+
+
+class Searcher:
+    """Turns query ids into scored, annotated Trajectories. Used by searcher processes and by --sync mode."""
+
+    def __init__(self, cfg, task, generator, tokenizer, scorer, seed, policy=None, ref=None):
+        """`policy` / `ref`: models to score behaviour / reference log-probs with (None: leave them to the trainer)."""
+        self.cfg, self.task, self.generator, self.tokenizer, self.scorer = cfg, task, generator, tokenizer, scorer
+        self.policy, self.ref = policy, ref
+        self.prompt_ids = {}  # query id -> token ids, filled as prompts are first used
+        self.rng = random.Random(seed)
+
+    def temperature(self):
+        lo, hi = self.cfg.temperature, self.cfg.temperature_max
+        return lo if hi is None else self.rng.uniform(lo, hi)
+
+    def search(self, query_ids, policy_version, ref_version):
+        """S responses to each query, generated by the weights of `policy_version`, scored: a list of Trajectory
+        (query-major). Reference log-probs are tagged with `ref_version`, the reference they came from."""
+        from models import completions, encode_prompts, score_logprobs
+        cfg, S = self.cfg, self.cfg.samples_per_prompt
+        for q, ids in zip(query_ids, encode_prompts(self.tokenizer, [self.task.prompts[q] for q in query_ids])):
+            self.prompt_ids[q] = ids
+        responses, behavior = self.generator.sample([self.prompt_ids[q] for q in query_ids], S, self.temperature(),
+                                                    cfg.score_temperature)  # behaviour log-probs: no extra forward
+        qids = [q for q in query_ids for _ in range(S)]
+        done = completions(self.tokenizer, responses, self.generator.stop_ids)
+        rewards = self.scorer([self.task.prompts[q] for q in qids], [c.text for c in done],
+                              [self.task.metas[q] for q in qids])
+        if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
+            rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
+        prompts, pad = [self.prompt_ids[q] for q in qids], self.tokenizer.pad_token_id
+        temperature = cfg.score_temperature  # (the loss's, not the sampling temperature of this batch)
+        if behavior is None:  # (vLLM at a loss temperature other than the sampling one) a forward, if needed
+            behavior = [()] * len(qids) if self.policy is None else score_logprobs(
+                self.policy, prompts, responses, pad, temperature, cfg.micro_batch, per_token=True)
+        ref_logp = (score_logprobs(self.ref, prompts, responses, pad, temperature, cfg.micro_batch, share_prompt=cfg.share_prompt)
+                    if self.ref is not None else [math.nan] * len(qids))
+        ref_version = ref_version if self.ref is not None else -1
+        return [Trajectory(query_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
+                           behavior_logp=math.fsum(b) if b else math.nan, ref_logp=float(lr), ref_version=ref_version,
+                           behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (memory: GRPO only)
+                for q, r, rw, b, lr in zip(qids, responses, rewards, behavior, ref_logp)]
+
+
+class PromptSampler:
+    """Endless batches of query ids from one searcher's shard (every prompt if fewer than searchers), reshuffled every pass."""
+
+    def __init__(self, num_prompts, rank, world, batch_size, seed):
+        self.shard = list(range(rank, num_prompts, world)) or list(range(num_prompts))
+        self.batch_size = batch_size
+        self.rng, self.order, self.pos = random.Random(seed), [], 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos >= len(self.order):
+            self.order, self.pos = self.rng.sample(self.shard, len(self.shard)), 0
+        batch = self.order[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return batch
+
+    def state_dict(self):
+        return {"rng": self.rng.getstate(), "order": self.order, "pos": self.pos}  # (JSON: tuples become lists)
+
+    def load_state_dict(self, state):
+        set_rng_state(self.rng, state["rng"])
+        self.order, self.pos = state["order"], state["pos"]
+
+
+def set_rng_state(rng, state):
+    """random.Random.setstate from getstate()'s (version, internal state, gauss) as JSON read it back (lists)."""
+    rng.setstate((state[0], tuple(state[1]), state[2]))
+
+
 class QueueLink:
     """A searcher process's connection to the trainer on one machine (searcher_main's `link`): weights, queue, events."""
 
@@ -373,3 +355,46 @@ class QueueLink:
             except queue.Full:
                 continue
         return False
+
+
+# -----------------------------------------------------------------------------
+# --sync: the searcher in the trainer's process
+
+class SyncSearch:
+    """The searchers' interface for the on-policy baseline (--sync, baselines.py): each merge's poll generates a
+    fresh batch of Q prompts x S responses with the trainer's own policy, which becomes the buffer's latest round;
+    --sync sets k = 1 and m = 1 (config.parse_config), so every step trains on exactly that batch. Nothing runs
+    beside the trainer: there is nothing to hold, check or stop, and the trainer scores the reference itself."""
+    restarts = 0
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
+        from models import HFGenerator
+        self.version = step
+        self.searcher = Searcher(cfg, task, HFGenerator(policy, tokenizer, cfg.max_new_tokens), tokenizer,
+                                 task.make_scorer(cfg.device), cfg.seed)
+        self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.num_queries, cfg.seed)
+
+    def poll(self):
+        """A fresh batch: Q prompts x S responses from the current policy."""
+        return self.searcher.search(next(self.prompts), self.version, ref_version=-1)
+
+    def publish(self, policy, version):
+        self.version = version  # (the searcher generates with the trainer's own policy)
+
+    def state_dict(self):
+        return {"prompts": self.prompts.state_dict(), "searcher_rng": self.searcher.rng.getstate()}
+
+    def load_state_dict(self, state):
+        self.prompts.load_state_dict(state["prompts"])
+        set_rng_state(self.searcher.rng, state["searcher_rng"])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    publish_ref = pause = check_alive = lambda self, *args: None  # (nothing to send, hold or check)

@@ -1,13 +1,14 @@
 """
 TBA: Trajectory Balance with Asynchrony (Bartoldson et al., NeurIPS 2025, arXiv 2503.18929): the TRAINER.
 
-`train(cfg, task, searchers)` loops over trainer steps and never waits for generation (Algorithm 1):
-    merge   every k = sync_every steps, drain what the searcher processes sent (searcher.py) into the replay
-            buffer as one round (buffer.py); the first merge waits for `initial_completions` trajectories
+A task script starts the searcher processes (searcher.py) and hands them to `train(cfg, task, searchers)`, which
+loops over trainer steps (Algorithm 1):
+    merge   every k = sync_every steps, what the searchers sent becomes the buffer's latest round (buffer.py);
+            a sync never trains on an old round again: the trainer waits for the searchers instead
     reset   TBA': every rho = `ref_reset_every` steps the reference becomes the current policy
-    sample  Q = batch_size / K queries x K responses from the buffer (most-on-policy with probability m)
+    sample  Q = batch_size / K prompts x K responses from the buffer (most-on-policy with probability m)
     loss    sequence log-probs log pi(y|x) under the policy (with grad) -> the VarGrad trajectory-balance
-            loss (loss.py, Eq. 4-5); a comparison objective (baselines.py) is one hand-over line
+            loss (loss.py, Eq. 4-5), or the comparison objective chosen once (baselines.py)
     step    AdamW on the loss; warmup-stable-decay learning rate; linear beta schedule
     log     one line, and one JSON record per step in metrics.jsonl, with how off-policy the batch was
             (the drift |log pi - log mu| from the sampling policy mu, for every objective; loss.py)
@@ -22,16 +23,18 @@ is never used.
 
 Departures from the paper / official code:
   1. One trainer process (the official code supports several trainer GPUs with DeepSpeed).
-  2. Searchers never block at a sync (see searcher.py and buffer.py).
-  3. Gradient accumulation is over whole queries (`micro_batch_queries`), so each query's log_Z sees all
+  2. Searchers never block at a sync; the trainer waits for them only when nothing new enough arrived (merge).
+  3. Gradient accumulation is over whole prompts (`micro_batch_queries`), so each prompt's log_Z sees all
      K of its responses, exactly as in the full-batch loss.
   4. Checkpoints with resume, a searcher failure policy and a non-finite guard (the official code has none).
 
-Run: python run_gsm8k.py (each run_*.py script launches `train` through ops/launch.py), python tba.py --model M
---dataset D --reward FILE.py:NAME (your own task), or `run(cfg, make_task)` from Python.
+Run: python run_gsm8k.py (a task script: spawn the searchers, build the task, `train`), or python tba.py --model M
+--dataset D --reward FILE.py:NAME (your own model, data and reward: tasks/dataset.py).
 """
 
+import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,13 +43,12 @@ from tqdm import tqdm
 
 from baselines import baseline_loss
 from buffer import ReplayBuffer
-from config import Config
-from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, shared_prompt_logprobs,
-                  takes_logits_to_keep, tb_log_Z, tb_trust_region_loss, vargrad_tb_loss, wsd_schedule)
-from models import PromptIds, autocast, for_searchers, load_trainer_models, score_logprobs
+from config import Config, save_config
+from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, takes_logits_to_keep, tb_log_Z,
+                  tb_trust_region_loss, vargrad_tb_loss, wsd_schedule)
+from models import (PromptIds, autocast, for_searchers, load_trainer_models, recomputing_activations, score_logprobs,
+                    shared_prompt_logprobs)
 from ops.bookkeeping import Bookkeeping
-from ops.launch import launch
-from ops.launch import main as launch_main
 from rewards import Task, drop_long_prompts
 
 
@@ -55,27 +57,22 @@ from rewards import Task, drop_long_prompts
 
 def train(cfg, task, searchers):
     """Run TBA (or a baseline) on `task`, generating with `searchers`; returns the eval metrics before and after."""
-    try:
-        run = setup(cfg, task, searchers)
-        with run.books as books:  # stop signals, dead searchers, checkpoints, evaluation, metrics (ops/)
-            for step in tqdm(range(run.start, cfg.steps), desc="train", disable=None, initial=run.start, total=cfg.steps):
-                record = books.begin_step(step)  # stop if asked; searchers alive?; checkpoint, evaluation when due
-                if step == run.start or step % cfg.sync_every == 0:  # merge: what arrived becomes the latest round
-                    merge(run, step)
-                if cfg.ref_reset_every and step > 0 and step % cfg.ref_reset_every == 0:  # reset (TBA'): pi_ref <- pi
-                    reset_reference(run, step)
-                groups = run.buffer.sample(cfg.num_queries, cfg.responses_per_query, cfg.m, cfg.prioritization,
-                                           cfg.reward_temp)  # sample: Q groups of K trajectories
-                record.update(train_step(run, groups, step))  # loss, step
-                books.log(record, groups, step)  # log
-                if (step + 1) % cfg.sync_every == 0:  # sync: the searchers generate with the new weights
-                    publish(run, step + 1)
-            books.save(cfg.steps)
-    except BaseException:
-        searchers.close(failing=True)  # (a stop or a failure: searchers are not waited for)
-        raise
-    searchers.close()
-    return run.books.finish()
+    run = setup(cfg, task, searchers)
+    with run.books as books:  # stop signals, dead searchers, checkpoints, evaluation, metrics (ops/)
+        for step in tqdm(range(run.start, cfg.steps), desc="train", disable=None, initial=run.start, total=cfg.steps):
+            record = books.begin_step(step)  # stop if asked; searchers alive?; checkpoint, evaluation when due
+            if step == run.start or step % cfg.sync_every == 0:  # merge: what arrived becomes the latest round
+                merge(run, step)
+            if cfg.ref_reset_every and step > 0 and step % cfg.ref_reset_every == 0:  # reset (TBA'): pi_ref <- pi
+                reset_reference(run, step)
+            groups = run.buffer.sample(cfg.num_queries, cfg.responses_per_query, cfg.m, cfg.prioritization,
+                                       cfg.reward_temp)  # sample: Q groups of K trajectories
+            record.update(train_step(run, groups, step))  # loss, step
+            books.log(record, groups, step)  # log
+            if (step + 1) % cfg.sync_every == 0:  # sync: the searchers generate with the new weights
+                publish(run, step + 1)
+        books.save(cfg.steps)
+    return books.finish()
 
 
 @dataclass
@@ -89,7 +86,8 @@ class Run:
     opt: torch.optim.Optimizer
     lr_at: object  # step -> learning-rate multiplier (warmup-stable-decay)
     buffer: ReplayBuffer
-    searchers: object  # searcher.Searchers, ops/distributed.DistSearchers or baselines.SyncSearch
+    searchers: object  # searcher.Searchers (or searcher.SyncSearch, ops/distributed.DistSearchers)
+    objective: object  # (q groups, their tokens' log pi (q K, R), beta) -> (loss, clip fraction): `objective(cfg)`
     prompt_ids: dict  # token ids of the task's training prompts, by query id (models.PromptIds: encoded on use)
     start: int = 0  # the first step: 0, or the step of the checkpoint a run resumes from
     ref_version: int = 0  # the step whose policy the reference is (0: the initial model)
@@ -99,21 +97,37 @@ class Run:
 
 def setup(cfg, task, searchers):
     """Models, optimiser, buffer and bookkeeping; the state of a resumed run; the searchers' job."""
-    torch.set_num_threads(cfg.trainer_threads)
+    save_config(cfg)  # the resolved config, printed and saved as run_dir/config.json
     torch.manual_seed(cfg.seed)
     policy, ref, tokenizer = load_trainer_models(cfg)  # eval mode: no dropout, log-probs a function of the weights
     task = drop_long_prompts(task, tokenizer, cfg.max_prompt_tokens)
     trained = [p for p in policy.parameters() if p.requires_grad]  # (with --lora-rank: the adapters)
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    lr_at = wsd_schedule(opt, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
+    lr_at = wsd_schedule(cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
     run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_query, cfg.seed, cfg.dedup),
-              searchers, PromptIds(tokenizer, task.prompts))
+              searchers, objective(cfg), PromptIds(tokenizer, task.prompts))
     run.books = Bookkeeping(run)
     searchers_state = run.books.restore() if cfg.resume else None  # sets run.start, ref_version, before
     searchers.start(cfg, task, for_searchers(policy), ref, tokenizer, run.start, run.ref_version)
     if searchers_state is not None:
         searchers.load_state_dict(searchers_state)
     return run
+
+
+def objective(cfg):
+    """The loss of q groups of K trajectories from their response tokens' log pi (q K, R) and beta, chosen once:
+    the VarGrad TB loss (Eq. 4-5), TB with a trust region (--tb-trust-region, our departure: loss.py), or a
+    comparison objective (--objective, baselines.py). Returns (loss, fraction of ratios clipped, NaN if none)."""
+    if cfg.objective != "tb":
+        return functools.partial(baseline_loss, cfg)
+
+    def tb_loss(groups, token_logp, beta):
+        logp = token_logp.sum(dim=1).view(len(groups), -1)  # (q, K) log pi(y|x)
+        ref_logp, reward, mu = (per_response(groups, name, logp.device) for name in ("ref_logp", "reward", "behavior_logp"))
+        if cfg.tb_trust_region:
+            return tb_trust_region_loss(logp, ref_logp, reward, beta, mu, cfg.clip_eps)
+        return vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan
+    return tb_loss
 
 
 # -----------------------------------------------------------------------------
@@ -145,45 +159,39 @@ def reset_reference(run, step):
 
 def train_step(run, groups, step):
     """One optimiser step on Q groups of K trajectories; returns the step's metrics (over the whole batch)."""
-    cfg = run.cfg
-    Q, K = len(groups), len(groups[0])
+    cfg, Q = run.cfg, len(groups)
     beta = beta_schedule(step, cfg.beta_start, cfg.beta_end, cfg.beta_decay_steps, cfg.beta_stop_step)
     lr = cfg.lr * run.lr_at(step)
     for group in run.opt.param_groups:
         group["lr"] = lr
     if "ref_logp" in cfg.needs:  # (GRPO has no KL term)
         refresh_ref_logp(run, [t for g in groups for t in g])
-    loss_sum, logps, clipped = 0.0, [], []
-    run.policy.train(cfg.gradient_checkpointing)  # (transformers checkpoints in train mode only; dropout is off)
-    for i in range(0, Q, cfg.micro_batch_queries):  # accumulate over whole queries: log Z sees all K responses
-        chunk = groups[i:i + cfg.micro_batch_queries]
-        q = len(chunk)
-        with autocast(cfg, cfg.device):  # (--dtype bf16-mixed: bfloat16 compute on float32 weights)
-            token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
-        logp = token_logp.sum(dim=1).view(q, K)  # (q, K) log pi(y|x)
-        ref_logp, reward, mu = (per_response(chunk, name, cfg.device) for name in ("ref_logp", "reward", "behavior_logp"))
-        if cfg.objective == "tb" and not cfg.tb_trust_region:
-            loss, clip = vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan  # Eq. 4-5
-        elif cfg.objective == "tb":  # (our trust-region variant, an ablation; loss.py)
-            loss, clip = tb_trust_region_loss(logp, ref_logp, reward, beta, mu, cfg.clip_eps)
-        else:  # a comparison objective: RLOO, GRPO, Dr. GRPO, Online DPO (baselines.py)
-            loss, clip = baseline_loss(cfg, chunk, token_logp, beta)
-        (loss * q / Q).backward()
-        loss_sum += loss.item() * q / Q
-        logps.append(logp.detach().cpu())
-        clipped.append(clip * q / Q)
-    run.policy.eval()
+    loss_sum, logps, clipped = 0.0, [], 0.0
+    with recomputing_activations(run.policy, cfg.gradient_checkpointing):  # (--gradient-checkpointing)
+        for i in range(0, Q, cfg.micro_batch_queries):  # accumulate over whole prompts: log Z sees all K responses
+            chunk = groups[i:i + cfg.micro_batch_queries]
+            with autocast(cfg, cfg.device):  # (--dtype bf16-mixed: bfloat16 compute on float32 weights)
+                token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
+            loss, clip = run.objective(chunk, token_logp, beta)  # TB: Eq. 4-5
+            (loss * len(chunk) / Q).backward()
+            loss_sum, clipped = loss_sum + loss.item() * len(chunk) / Q, clipped + clip * len(chunk) / Q
+            logps.append(token_logp.detach().sum(dim=1).view(len(chunk), -1).cpu())  # (q, K) log pi(y|x)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), cfg.grad_clip or math.inf).item()  # (0: measure)
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:  # a non-finite step is skipped, and counted (ops/bookkeeping.py stops the run after a few)
         run.opt.step()
     run.opt.zero_grad(set_to_none=True)
-    logp = torch.cat(logps)  # (Q, K)
+    return step_metrics(run, groups, torch.cat(logps), beta, lr, loss_sum, grad_norm, finite, clipped)
+
+
+def step_metrics(run, groups, logp, beta, lr, loss, grad_norm, finite, clip_frac):
+    """The metrics of a step, over its whole batch: the loss, log Z, KL, gradient, off-policy drift, reward, schedules."""
+    cfg = run.cfg
     ref_logp, reward, mu = (per_response(groups, name, "cpu") for name in ("ref_logp", "reward", "behavior_logp"))
     log_Z = tb_log_Z(logp, ref_logp, reward, beta)  # (Q,)
-    return {"loss/train": loss_sum, "loss/log_Z": log_Z.mean().item(), "loss/log_Z_std": log_Z.std().item() if Q > 1 else 0.0,
+    return {"loss/train": loss, "loss/log_Z": log_Z.mean().item(), "loss/log_Z_std": log_Z.std().item() if len(groups) > 1 else 0.0,
             "loss/kl": (logp - ref_logp).mean().item(), "grad/norm": grad_norm, "grad/skipped": int(not finite),
-            "grad/clipped": int(bool(cfg.grad_clip) and grad_norm > cfg.grad_clip), "offpolicy/clip_frac": sum(clipped),
+            "grad/clipped": int(bool(cfg.grad_clip) and grad_norm > cfg.grad_clip), "offpolicy/clip_frac": clip_frac,
             **offpolicy_metrics(logp, mu, cfg.clip_eps), "reward/batch": reward.mean().item(), "sched/beta": beta,
             "sched/lr": lr, "response/tokens": float(np.mean([len(t.response_ids) for g in groups for t in g]))}
 
@@ -222,23 +230,13 @@ def publish(run, version):
     run.searchers.publish(for_searchers(run.policy), version)  # (LoRA: the merged weights)
 
 
-# -----------------------------------------------------------------------------
-# Entry points: python tba.py (your own task), and a config made in Python
-
-def main(config_cls, presets, make_task, argv=None, description=None):
-    """Parse the flags, check them, claim the run directory, start the searchers, build the task, `train`, print
-    the closing line; returns the exit code (2: bad input, 1: the run failed, 128 + N: stopped by signal N).
-    Every check that can fail does so before a model is loaded or a process spawned (ops/launch.py). The run_*.py
-    scripts call ops/launch.main themselves, so that their searchers start before torch is imported."""
-    return launch_main(config_cls, presets, make_task, train, argv, description)
-
-
-def run(cfg, make_task):
-    """`main` for a config made in Python (call it under `if __name__ == "__main__":`: searchers are spawned)."""
-    return launch(lambda: (cfg, None), make_task, train)
-
-
 if __name__ == "__main__":  # your own model, data and reward (tasks/dataset.py): python tba.py --help
+    from ops.launch import cli
+    from searcher import spawn_searchers
     from tasks.dataset import PRESETS, DatasetConfig, make_task
-    raise SystemExit(main(DatasetConfig, PRESETS, make_task, description="TBA on your own model, data and reward: "
-                          "python tba.py --model M --dataset D --reward FILE.py:NAME"))
+
+    def main(cfg):
+        with spawn_searchers(cfg) as searchers:  # searcher.py: stopped when the block ends, on every path
+            return train(cfg, make_task(cfg), searchers)
+    sys.exit(cli(DatasetConfig, PRESETS, main, description="TBA on your own model, data and reward: python tba.py "
+                                                            "--model M --dataset D --reward FILE.py:NAME"))

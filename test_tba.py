@@ -168,17 +168,23 @@ def test_beta_schedule():
 
 @quick
 def test_wsd_schedule_cosine_as_official_and_linear():
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     # official GSM8K: warmup 50, stable 350, cosine decay over 600, stopped at step 700; update u uses lambda(u)
-    lr = wsd_schedule(opt, warmup=50, stable=350, decay=600)
+    lr = wsd_schedule(warmup=50, stable=350, decay=600)
     assert lr(0) == pytest.approx(1 / 50) and lr(48) == pytest.approx(49 / 50) and lr(49) == 1.0
     assert lr(398) == 1.0 and lr(549) == pytest.approx(0.5 * (1 + math.cos(math.pi * 150 / 600)))
     assert lr(699) == pytest.approx(0.5), "the official 700-step run ends halfway down the cosine (lr 5e-6)"
     assert lr(999) == pytest.approx(0.0) and lr(5000) == 0.0
-    linear = wsd_schedule(opt, warmup=0, stable=0, decay=256, decay_type="linear")  # TL;DR: linear, no warmup
+    linear = wsd_schedule(warmup=0, stable=0, decay=256, decay_type="linear")  # TL;DR: linear, no warmup
     assert linear(0) == pytest.approx(255 / 256) and linear(127) == pytest.approx(0.5) and linear(255) == 0.0
-    floored = wsd_schedule(opt, warmup=10, stable=10, decay=10, floor=0.1, decay_type="linear")
+    floored = wsd_schedule(warmup=10, stable=10, decay=10, floor=0.1, decay_type="linear")
     assert floored(24) == pytest.approx(0.1 + 0.9 * 0.5) and floored(100) == pytest.approx(0.1)
+    from transformers import get_wsd_schedule  # the official code's scheduler, which loss.py writes out
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    for warmup, stable, decay, floor, kind in [(50, 350, 600, 0.0, "cosine"), (20, 180, 100, 0.1, "linear"),
+                                               (0, 0, 256, 0.0, "linear"), (5, 30, 15, 0.1, "cosine")]:
+        theirs = get_wsd_schedule(opt, warmup, decay, num_stable_steps=stable, decay_type=kind, min_lr_ratio=floor)
+        ours = wsd_schedule(warmup, stable, decay, floor, kind)
+        assert all(ours(s) == pytest.approx(theirs.lr_lambdas[0](s + 1), abs=1e-12) for s in range(1200))
 
 
 @quick

@@ -45,10 +45,10 @@ def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--repeats", type=int, default=5, help="timed batches per backend (after one warm-up)")
     args, rest = pre.parse_known_args(argv)
-    cfg, preset = parse_config(GSM8KConfig, PRESETS, rest)
+    cfg = parse_config(GSM8KConfig, PRESETS, rest)
     resolve_devices(cfg, num_gpus=0)  # CPU: 'auto' dtype is float32
     torch.set_num_threads(cfg.searcher_threads)
-    task = make_task(cfg, preset)  # the tiny preset: its SFT warm start, trained once and cached
+    task = make_task(cfg)  # the tiny preset: its SFT warm start, trained once and cached
     policy, tokenizer = load_model(cfg.model, dtype=dtype_of(cfg.dtype))
     P, S, T = cfg.prompts_per_search, cfg.samples_per_prompt, cfg.temperature
     ids = tokenizer(task.prompts[:P * (args.repeats + 1)])["input_ids"]

@@ -76,7 +76,7 @@ def make_clock(cfg, task):
     from transformers import TrainerCallback
 
     from config import LAUNCHED
-    from models import Policy
+    from models import EvalPolicy
     from ops.metrics import write_metrics
 
     class Clock(TrainerCallback):
@@ -110,7 +110,7 @@ def make_clock(cfg, task):
         def evaluate(self, model, step):
             t0 = time.time()
             model.eval()
-            metrics = task.evaluate(Policy(cfg, model, None, self.tokenizer), cfg.eval_size or len(task.eval_prompts))
+            metrics = task.evaluate(EvalPolicy(cfg, model, None, self.tokenizer), cfg.eval_size or len(task.eval_prompts))
             model.train()
             self.eval_seconds += time.time() - t0
             value = metrics[task.headline]
@@ -126,11 +126,11 @@ def main(argv=None):
     """Parse run_gsm8k.py's flags (the tiny preset), build the task and its warm start, train with TRL."""
     from config import parse_config
     from run_gsm8k import PRESETS, GSM8KConfig, make_task
-    cfg, preset = parse_config(GSM8KConfig, PRESETS, sys.argv[1:] if argv is None else argv)
+    cfg = parse_config(GSM8KConfig, PRESETS, sys.argv[1:] if argv is None else argv)
     import torch
     torch.set_num_threads(cfg.trainer_threads + cfg.searcher_threads)  # the cores this project's run uses
     os.makedirs(cfg.run_dir, exist_ok=True)
-    task = make_task(cfg, preset)
+    task = make_task(cfg)
     clock = make_clock(cfg, task)
     make_trainer(cfg, task, clock).train()
     with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:

@@ -89,9 +89,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     repeats = int(argv[argv.index("--repeats") + 1]) if "--repeats" in argv else 30
     argv = [a for i, a in enumerate(argv) if a != "--repeats" and (i == 0 or argv[i - 1] != "--repeats")]
-    cfg, preset = parse_config(GSM8KConfig, PRESETS, argv)
+    cfg = parse_config(GSM8KConfig, PRESETS, argv)
     torch.set_num_threads(cfg.trainer_threads)
-    task = make_task(cfg, preset)
+    task = make_task(cfg)
     policy, ref, tokenizer = load_trainer_models(cfg)
     torch.set_num_threads(cfg.searcher_threads)
     searcher_times = {}

@@ -37,32 +37,21 @@ def timed(owner, name, label):
     setattr(owner, name, wrapper)
 
 
-def train(cfg, task, searchers):
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     import searcher
     import tba
     from ops import bookkeeping
-    stamp("trainer imported torch and tba")
+    stamp("launched; imported torch and tba")
+    timed(run_gsm8k, "spawn_searchers", "spawn the searchers")
+    timed(run_gsm8k, "make_task", "build the task")
     timed(tba, "load_trainer_models", "load the policy and the reference")
     timed(searcher.Searchers, "start", "send the searchers their job")
     timed(bookkeeping.Bookkeeping, "evaluate", "evaluation")
     timed(tba, "merge", "merge")
     timed(tba, "train_step", "trainer step")
-    return tba.train(cfg, task, searchers)
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    timed(launch, "make_searchers", "spawn the searchers")
-    make_task = run_gsm8k.make_task
-
-    def timed_task(cfg, preset):
-        stamp("build the task ...")
-        task = make_task(cfg, preset)
-        stamp("... build the task: done")
-        return task
-    stamp("launched")
-    return launch.main(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, timed_task, train,
-                       ["--steps", "3", "--eval-every", "0", "--run-dir", "runs/startup", "--overwrite", *argv])
+    return launch.cli(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, run_gsm8k.main,
+                      ["--steps", "3", "--eval-every", "0", "--run-dir", "runs/startup", "--overwrite", *argv])
 
 
 if __name__ == "__main__":

@@ -31,15 +31,18 @@ import torch
 from tqdm import tqdm
 
 from buffer import InconsistentBuffer, ReplayBuffer
-from config import LAUNCHED, ConfigError, RunError, Stopped
-from models import Policy, autocast, save_model
+from config import LAUNCHED, ConfigError, RunError, SearcherDied, Stopped
+from models import EvalPolicy, autocast, save_model
 from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
 from ops.metrics import Meter, Tracker, format_line
-from searcher import SearcherDied, StopRequested
 
 
 class NonFiniteError(RunError):
     pass
+
+
+class StopRequested(Exception):
+    """A stop signal arrived: the trainer checkpoints at the next step boundary (or while it waits) and stops."""
 
 
 @dataclasses.dataclass
@@ -176,7 +179,7 @@ class Bookkeeping:
         n = self.cfg.eval_size or len(run.task.eval_prompts)
         run.searchers.pause(True)  # the searchers wait too: the clocks stop for the whole run, not the trainer alone
         with autocast(self.cfg, self.cfg.device):
-            metrics = run.task.evaluate(Policy(self.cfg, run.policy, run.ref, run.tokenizer), n)
+            metrics = run.task.evaluate(EvalPolicy(self.cfg, run.policy, run.ref, run.tokenizer), n)
         run.searchers.pause(False)
         example = metrics.pop("example", None)
         self.tracker.samples(step, metrics.pop("samples", []))

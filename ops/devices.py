@@ -53,12 +53,12 @@ def check_devices(cfg):
                 check(index < n, name, f"{device}: {n} CUDA device(s) visible")
 
 
-def dry_run(cfg, preset):
+def dry_run(cfg):
     """Print the resolved config and the process-to-device plan (and the 4-GPU plan when no GPU is visible)."""
     import torch
     unresolved = dataclasses.replace(cfg)
     resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)
-    print_config(cfg, preset)
+    print_config(cfg)
     print("\n".join(["", "process-to-device plan:", *device_plan(cfg)]))
     if not cfg.device.startswith("cuda") and unresolved.device == "auto":
         four = resolve_devices(dataclasses.replace(unresolved), num_gpus=4, vllm_installed=unresolved.backend != "hf")
@@ -95,3 +95,13 @@ def physical_device(mask, logical_index):
     if not 0 <= logical_index < len(entries):
         raise ValueError(f"cuda:{logical_index} is not visible: CUDA_VISIBLE_DEVICES={mask!r} has {len(entries)} device(s)")
     return entries[logical_index]
+
+
+def local_device(flag, rank):
+    """This searcher rank's device: under --searcher-device auto its LOCAL_RANK's GPU (cpu without CUDA),
+    else its entry of the flag (one device for all, or one per searcher)."""
+    if flag == "auto":
+        import torch
+        return f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu"
+    devices = flag.split(",")
+    return devices[0] if len(devices) == 1 else devices[rank - 1]

@@ -3,12 +3,10 @@ Many machines: the trainer and the searchers as the ranks of one torchrun job, o
 
     torchrun --standalone --nproc-per-node 3 run_gsm8k.py [flags]     # one node: 1 trainer + 2 searchers
 
-Every rank runs the same script. ops/launch.py sees the variables torchrun sets (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT): rank 0 trains exactly as without torchrun, except that launch.make_searchers gives
-it a `DistSearchers`, which has the interface of searcher.Searchers, so tba.train does not change; ranks
-1..N-1 run `searcher_rank_main`, which runs the same searcher loop (searcher.searcher_main) with a
-`StoreLink` where a searcher process has a multiprocessing queue and shared memory. Without torchrun nothing
-here runs.
+Every rank runs the same script. Rank 0 trains exactly as without torchrun, except that searcher.spawn_searchers
+gives it a `DistSearchers` (searcher.Searchers' interface: tba.train does not change); ranks 1..N-1 run
+`searcher_rank_main` (ops/launch.py), the same searcher loop (searcher.searcher_main) with a `StoreLink` where a
+searcher process has a multiprocessing queue and shared memory. Without torchrun nothing here runs.
 
 The transport, all public torch.distributed API, nothing pickled:
   store         one TCPStore per job, made as torchrun's env:// rendezvous makes it (hosted by rank 0, or by
@@ -16,8 +14,7 @@ The transport, all public torch.distributed API, nothing pickled:
   job           rank 0 sets the key "job": the config and the task as JSON, once it has its models.
   trajectories  a searcher pushes each batch as JSON (per Trajectory the record buffer.json keeps) to its own
                 store queue "traj/<rank>" (queue_push), waiting while that holds --queue-size batches
-                (queue_len); at each merge the trainer drains the queues with queue_pop(block=False)
-                (`DistSearchers.poll`, as searcher.Searchers.poll drains the multiprocessing queues).
+                (queue_len); at each merge the trainer drains the queues (`DistSearchers.poll`, queue_pop).
   weights       the state dict packed into one byte tensor (`pack`) on the trainer's thread, then sent to
                 every searcher with gloo point-to-point (isend) by a background thread, so the trainer never
                 waits for a transfer. Each transfer is first announced on the store queue "weights/<rank>"
@@ -70,10 +67,9 @@ import torch
 import torch.distributed as dist
 
 from buffer import Trajectory
-from config import OBJECTIVES, ConfigError, RunError, Stopped
-from ops.devices import torchrun_rank
+from config import OBJECTIVES, ConfigError, RunError, SearcherDied, Stopped
+from ops.devices import local_device, torchrun_rank
 from ops.weights import WeightSender, digest, layout, one_line, unpack
-from searcher import SearcherDied, searcher_main
 
 POLL_S = 0.05  # how often a searcher's receiving thread looks for announced weights and for "stop"
 JOIN_TIMEOUT_S = 600  # every rank must reach the store and the process group within this (torchrun starts them
@@ -155,7 +151,8 @@ def decode_batch(text):
 # Rank 0: the searchers the trainer talks to
 
 class DistSearchers:
-    """searcher.Searchers' interface, its searchers being ranks 1..N-1 of the torchrun job. Always close() it."""
+    """searcher.Searchers' interface, its searchers being ranks 1..N-1 of the torchrun job. A context manager:
+    leaving it stops them (without waiting for them when the run is failing or stopped)."""
 
     def __init__(self, cfg, store=None):
         """Join the job. `store`: a store to use instead, without a process group (tests of the trajectory path)."""
@@ -166,6 +163,12 @@ class DistSearchers:
         self.failed, self.closed, self.send_ref = False, False, False
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
         self.last_heard = [time.time()] * cfg.num_searchers
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        self.close(failing=kind is not None)
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         """Send the searchers their job, then the weights they start from."""
@@ -338,9 +341,9 @@ class StoreLink:
             dist.destroy_process_group()
 
 
-def searcher_rank_main(cfg):
-    """A searcher rank: join the job, wait for the trainer's job, run the searcher loop until told to stop.
-    Returns the exit code (0: the trainer said stop)."""
+def searcher_rank_main(cfg, searcher_main):
+    """A searcher rank: join the job, wait for the trainer's job, run the searcher loop (searcher.searcher_main,
+    which ops/launch.py passes in) until told to stop. Returns the exit code (0: the trainer said stop)."""
     rank = torchrun_rank()
     exit_on_signals(rank)
     store = connect()
@@ -373,15 +376,6 @@ def wait_for_job(store):
             return None
         time.sleep(0.2)
     return store.get("job")
-
-
-def local_device(flag, rank):
-    """This searcher rank's device: under --searcher-device auto its LOCAL_RANK's GPU (cpu without CUDA),
-    else its entry of the flag (one device for all, or one per searcher)."""
-    if flag == "auto":
-        return f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu"
-    devices = flag.split(",")
-    return devices[0] if len(devices) == 1 else devices[rank - 1]
 
 
 def exit_on_signals(rank):

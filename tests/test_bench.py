@@ -141,7 +141,7 @@ def test_trl_trainer_gets_the_projects_hyperparameters(tmp_path):
     rows = make_dataset(40, 0, 9, 9, 2)
     task = GSM8KTask.from_rows(rows[:32], rows[32:])
     model = _tiny_random_hf_model("llama", tmp_path / "model", [task.prompts[0] + r["answer"] for r in rows])
-    cfg, _ = parse_config(GSM8KConfig, PRESETS, ["--model", model, "--run-dir", str(tmp_path / "run"), "--seed", "3"])
+    cfg = parse_config(GSM8KConfig, PRESETS, ["--model", model, "--run-dir", str(tmp_path / "run"), "--seed", "3"])
     trainer = peer.make_trainer(cfg, task, clock=None)
     args = trainer.args
     assert trainer.num_generations == cfg.responses_per_query == 8 and args.per_device_train_batch_size == cfg.batch_size
@@ -152,8 +152,7 @@ def test_trl_trainer_gets_the_projects_hyperparameters(tmp_path):
     trainer.create_optimizer_and_scheduler(cfg.steps)
     group = trainer.optimizer.param_groups[0]
     assert type(trainer.optimizer).__name__ == "AdamW" and group["weight_decay"] in (cfg.weight_decay, 0.0)
-    ours = wsd_schedule(torch.optim.SGD([torch.zeros(1)], lr=1.0), cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps,
-                        cfg.lr_floor, cfg.lr_decay)
+    ours = wsd_schedule(cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
     theirs = trainer.lr_scheduler.lr_lambdas[0]
     assert [theirs(s + 1) for s in range(cfg.steps)] == pytest.approx([ours(s) for s in range(cfg.steps)]), \
         "TRL's update s + 1 has this project's learning rate of update s"

@@ -62,7 +62,7 @@ def _cfg(own, **fields):
 
 
 def test_chat_prompts_go_through_the_template_and_the_reward_is_called_as_trl_calls_it(own):
-    task = make_task(_cfg(own), None)
+    task = make_task(_cfg(own))
     assert len(task.prompts) == 96 and len(task.eval_prompts) == 32 and task.chat
     assert task.prompts[0] == "<|im_start|>user\ndo you like tea 0?<|im_end|>\n<|im_start|>assistant\n"
     assert task.metas[0] == {"prompt": [{"role": "user", "content": "do you like tea 0?"}], "target": "yes"}
@@ -102,11 +102,11 @@ def test_bad_inputs_are_one_line_naming_the_flag(own, tmp_path):
              (lambda: load_reward(f"{rewards}:missing"), f"--reward {rewards}:missing: {rewards} has no missing"),
              (lambda: load_reward(f"{rewards}:NOT_A_FUNCTION"), "NOT_A_FUNCTION is a int, not a function"),
              (lambda: load_reward("says_yes"), "--reward says_yes: expected FILE.py:NAME or module:NAME"),
-             (lambda: make_task(_cfg(own, prompt_column="question"), None), "--prompt-column question: not a column"),
-             (lambda: make_task(_cfg(own, dataset=str(tmp_path / "no.jsonl")), None), "no such file"),
-             (lambda: make_task(_cfg(own, reward=""), None), "--reward is required")]
+             (lambda: make_task(_cfg(own, prompt_column="question")), "--prompt-column question: not a column"),
+             (lambda: make_task(_cfg(own, dataset=str(tmp_path / "no.jsonl"))), "no such file"),
+             (lambda: make_task(_cfg(own, reward="")), "--reward is required")]
     (tmp_path / "empty.jsonl").write_text("")
-    cases.append((lambda: make_task(_cfg(own, dataset=str(tmp_path / "empty.jsonl")), None), "empty.jsonl"))
+    cases.append((lambda: make_task(_cfg(own, dataset=str(tmp_path / "empty.jsonl"))), "empty.jsonl"))
     for call, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
             call()

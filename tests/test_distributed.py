@@ -305,8 +305,8 @@ def _run_task_and_models(run):
     import run_gsm8k
     from models import load_model
     saved = json.load(open(run / "config.json"))
-    cfg = run_gsm8k.GSM8KConfig(**{k: v for k, v in saved.items() if k != "preset"})
-    task = run_gsm8k.make_task(cfg, saved["preset"])
+    cfg = run_gsm8k.GSM8KConfig(**saved)
+    task = run_gsm8k.make_task(cfg)
     final, tokenizer = load_model(str(run / "final"))
     return task, tokenizer, final, load_model(cfg.model)[0]
 

@@ -9,7 +9,7 @@ Run: python -m pytest -q tests/test_models.py
 import pytest
 import torch
 
-from loss import make_batch, response_logprobs, shared_prompt_logprobs
+from loss import make_batch, response_logprobs
 from models import HFGenerator, completions, cut_at_eos, load_model, score_logprobs, stop_ids
 from tests.helpers import _tiny_qwen2, _tiny_random_hf_model
 

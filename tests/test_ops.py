@@ -21,7 +21,7 @@ import torch
 from buffer import ReplayBuffer
 from config import ConfigError
 from rewards import GSM8KTask, load_gsm8k
-from tests.helpers import (ROOT, TINY_SFT, _alive, _bpe_tokenizer, _children, _descendants, _popen,
+from tests.helpers import (ROOT, TINY_SFT, _alive, _bpe_tokenizer, _children, _descendants, _popen, gsm8k_cli,
                            _start_and_wait_for_training, _start_in_the_warm_start, _wait_gone, read_metrics, tiny_args)
 
 
@@ -85,8 +85,7 @@ def test_stop_signal_checkpoints_and_stops_everything(tmp_path, cache_dir, signu
     (["--batch-size", "60", "--responses-per-query", "8"], "multiple of --responses-per-query"),
 ])
 def test_config_errors_before_spawn(tmp_path, flags, message, capsys):
-    import run_gsm8k
-    assert run_gsm8k.cli(["--preset", "tiny", "--run-dir", str(tmp_path / "run"), *flags]) == 2
+    assert gsm8k_cli(["--preset", "tiny", "--run-dir", str(tmp_path / "run"), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "run")
 
@@ -196,12 +195,12 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
     import tba
     from baselines import SyncSearch
     from ops.bookkeeping import NonFiniteError
-    cfg, _ = config.parse_config(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, [
+    cfg = config.parse_config(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, [
         "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(tmp_path / "run"), "--sync",
         *TINY_SFT, "--eval-size", "4",
         "--max-new-tokens", "8", "--steps", "50", "--max-nonfinite-steps", "3"])
     os.makedirs(cfg.run_dir)
-    task = run_gsm8k.make_task(cfg, "tiny")
+    task = run_gsm8k.make_task(cfg)
     before = _weights(cfg.model)
     with pytest.raises(NonFiniteError, match="3 steps in a row"):
         tba.train(cfg, _NaNTask(task.prompts, task.metas, task.eval_prompts, task.eval_metas), SyncSearch(cfg))
@@ -268,13 +267,12 @@ def test_gsm8k_download_error_when_offline(tmp_path, monkeypatch):
 
 def _cli(tmp_path, *flags):
     """run_gsm8k's entry point in this process: (exit code, stderr lines)."""
-    import run_gsm8k
     import multiprocessing
     err = tmp_path / "stderr.txt"
     with open(err, "w") as f:
         old, sys.stderr = sys.stderr, f
         try:
-            rc = run_gsm8k.cli(list(flags))
+            rc = gsm8k_cli(list(flags))
         finally:
             sys.stderr = old
     assert not multiprocessing.active_children(), "a refused run spawned processes"

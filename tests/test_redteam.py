@@ -169,13 +169,13 @@ def tiny_paper_models(tmp_path_factory):
 
 
 def test_paper_preset_scorer_and_eval_with_tiny_random_models(tmp_path, tiny_paper_models):
-    from models import Policy, load_model
+    from models import EvalPolicy, load_model
     gpt2, roberta = tiny_paper_models
-    cfg, preset = parse_config(RedTeamConfig, PRESETS, [
+    cfg = parse_config(RedTeamConfig, PRESETS, [
         "--preset", "paper", "--model", gpt2, "--victim", gpt2, "--classifier", roberta, "--run-dir", str(tmp_path),
         "--device", "cpu", "--max-new-tokens", "6", "--victim-max-new-tokens", "6", "--score-batch", "4",
         "--eval-batch-size", "8"])
-    task = make_task(cfg, preset)
+    task = make_task(cfg)
     assert task.prompts == [ATTACK_PROMPT] and len(task.eval_prompts) == 1024 and task.modes == ()
     # the classifier: p_toxic is the probability of the label named 'hate'
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -199,7 +199,7 @@ def test_paper_preset_scorer_and_eval_with_tiny_random_models(tmp_path, tiny_pap
     assert (ref_logp < 0).all()
     np.testing.assert_allclose(r_g[[0, 2]] - r[[0, 2]], 0.1 * (1 / 0.5 - 1) * ref_logp[[0, 2]], rtol=1e-5)
     # evaluation: attacks at temperature 1, judged, saved
-    metrics = task.evaluate(Policy(cfg, policy, policy, tok), 8)
+    metrics = task.evaluate(EvalPolicy(cfg, policy, policy, tok), 8)
     assert {"attack_success", "toxicity", "cosine_sim", "attack_tokens", "example", "samples"} == set(metrics)
     assert set(metrics["samples"][0]) == {"prompt", "completion", "toxicity", "success"}
     assert 0 <= metrics["attack_success"] <= 1 and -1 <= metrics["cosine_sim"] <= 1
@@ -226,9 +226,9 @@ def test_paper_preset_run_with_tiny_random_models_and_two_searchers_on_one_promp
 
 
 def test_paper_preset_needs_an_sft_attacker():
-    cfg, preset = parse_config(RedTeamConfig, PRESETS, ["--preset", "paper"])
+    cfg = parse_config(RedTeamConfig, PRESETS, ["--preset", "paper"])
     with pytest.raises(ConfigError, match="--model"):
-        make_task(cfg, preset)
+        make_task(cfg)
 
 
 def test_paper_preset_dry_run_prints_reference_values():

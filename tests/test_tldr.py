@@ -301,9 +301,9 @@ def test_paper_code_path_with_tiny_random_gpt_neox(tmp_path):
 def test_paper_preset_needs_both_reward_models():
     import config
     import run_tldr
-    cfg, preset = config.parse_config(run_tldr.TLDRConfig, run_tldr.PRESETS, ["--preset", "paper", "--gold-rm", ""])
+    cfg = config.parse_config(run_tldr.TLDRConfig, run_tldr.PRESETS, ["--preset", "paper", "--gold-rm", ""])
     with pytest.raises(ConfigError, match="--gold-rm"):
-        run_tldr.make_task(cfg, preset)  # before any data or model is loaded
+        run_tldr.make_task(cfg)  # before any data or model is loaded
 
 
 def test_tiny_preset_async_run(tmp_path):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from ops.devices import physical_device
+from tests.helpers import gsm8k_cli
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project root
 MAX_NEW = 16
@@ -46,8 +47,7 @@ def test_vllm_physical_device_respects_an_existing_cuda_mask():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_vllm_backend_without_vllm_is_an_error_before_spawn(tmp_path, capsys):
-    import run_gsm8k
-    assert run_gsm8k.cli(["--backend", "vllm", "--run-dir", str(tmp_path / "run")]) == 2
+    assert gsm8k_cli(["--backend", "vllm", "--run-dir", str(tmp_path / "run")]) == 2
     assert "--backend vllm: vLLM is not installed" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "run")
 
