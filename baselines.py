@@ -47,7 +47,7 @@ def rloo_loss(logp, behavior_logp, ref_logp, reward, beta, eps=0.2):
 def rloo_advantage(behavior_logp, ref_logp, reward, beta):
     """RLOO's A_k = R_k - mean_{j != k} R_j with the KL-shaped reward R = r - beta (behavior_logp - ref_logp)."""
     K = reward.shape[1]
-    assert K > 1, "RLOO needs K >= 2 responses per query"
+    assert K > 1, "RLOO needs K >= 2 responses per prompt"
     R = reward - beta * (behavior_logp - ref_logp)  # (Q, K)
     return R - (R.sum(dim=1, keepdim=True) - R) / (K - 1)
 
@@ -110,9 +110,9 @@ def clipped_fraction(rho, A, eps, mask=None):
 def online_dpo_loss(logp, ref_logp, reward, beta):
     """
     Online DPO (Guo et al. 2024; TRL's OnlineDPOTrainer, sigmoid loss) on the best and the worst of each
-    query's K responses, the paper's strongest asynchronous baseline:
+    prompt's K responses, the paper's strongest asynchronous baseline:
         h = beta * [(logp_w - ref_logp_w) - (logp_l - ref_logp_l)],   L = -mean_x log sigmoid(h)
-    A query whose K responses all have the same reward has no preference and adds nothing. (Q, K) inputs.
+    A prompt whose K responses all have the same reward has no preference and adds nothing. (Q, K) inputs.
     """
     w, l = reward.argmax(dim=1, keepdim=True), reward.argmin(dim=1, keepdim=True)  # (Q, 1)
     margin = (logp - ref_logp).gather(1, w) - (logp - ref_logp).gather(1, l)  # (Q, 1)

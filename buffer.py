@@ -5,18 +5,18 @@ Searchers produce `Trajectory` records; at every sync the trainer merges everyth
 last sync as one *round* with `ReplayBuffer.add`. Training batches are drawn with `sample`:
 
   for each of the Q groups, independently:
-    with probability m ("most-on-policy"): take the next query of the latest round and draw its K responses
+    with probability m ("most-on-policy"): take the next prompt of the latest round and draw its K responses
         from that round only;
-    otherwise: take the next query of all those ever seen and draw its K responses from everything it
+    otherwise: take the next prompt of all those ever seen and draw its K responses from everything it
         holds, by softmax(reward / reward_temp) ("softmax") or uniformly ("uniform").
-  "The next query" is dealt from a shuffled deck (`Deck`), so queries come without replacement until the
-  deck is used up; the latest round's deck is then reshuffled, the all-queries deck refilled with every
-  query seen so far (as the official code does). A sync that brings no new data keeps the previous round,
+  "The next prompt" is dealt from a shuffled deck (`Deck`), so prompts come without replacement until the
+  deck is used up; the latest round's deck is then reshuffled, the all-prompts deck refilled with every
+  prompt seen so far (as the official code does). A sync that brings no new data keeps the previous round,
   so m keeps its meaning when searchers fall behind. Responses are drawn without replacement, and with
-  replacement only when a query has fewer than K candidates.
+  replacement only when a prompt has fewer than K candidates.
 
-Storage rules (paper Sec. 3): a response identical to one already stored for the same query (same token
-ids) replaces it, so only the newest copy is kept; each query keeps at most `capacity_per_query` items,
+Storage rules (paper Sec. 3): a response identical to one already stored for the same prompt (same token
+ids) replaces it, so only the newest copy is kept; each prompt keeps at most `capacity_per_prompt` items,
 evicting the oldest by policy version. (`dedup=False`, --no-dedup, keeps every copy: an ablation.)
 
 Departures from the paper / official code:
@@ -29,10 +29,10 @@ Departures from the paper / official code:
      tiny GSM8K preset a searcher batch takes longer than a trainer step, so only 5-10% of the syncs bring
      items new enough to form a round, the latest round (about one searcher batch) stays in place for
      9-12 steps on average, and with m = 0.95 nearly every batch re-draws it (docs/results.md, "Off-policyness").
-  2. The official buffer lives partly on the searchers, which send each changed query's whole store at a
+  2. The official buffer lives partly on the searchers, which send each changed prompt's whole store at a
      sync; here the trainer holds one buffer and merges trajectories. What is stored and drawn is the same.
 
-Run `python buffer.py` to time add and sample at paper scale (~100k trajectories over 7,000 queries).
+Run `python buffer.py` to time add and sample at paper scale (~100k trajectories over 7,000 prompts).
 """
 
 import dataclasses
@@ -44,7 +44,7 @@ import numpy as np
 
 @dataclass(slots=True)
 class Trajectory:
-    query_id: int  # index of the prompt in the task's training set
+    prompt_id: int  # index of the prompt in the task's training set
     response_ids: tuple  # generated token ids, EOS included when generated, no padding
     reward: float  # r(x, y)
     policy_version: int  # trainer step whose weights generated it
@@ -72,15 +72,15 @@ class InconsistentBuffer(RuntimeError):
 
 
 class ReplayBuffer:
-    def __init__(self, capacity_per_query, seed=0, dedup=True):
+    def __init__(self, capacity_per_prompt, seed=0, dedup=True):
         """dedup=False (--no-dedup, an ablation) stores every copy of a response under a serial number."""
-        assert capacity_per_query >= 1, "capacity_per_query must be >= 1"
-        self.capacity, self.dedup, self.serial = capacity_per_query, dedup, 0
+        assert capacity_per_prompt >= 1, "capacity_per_prompt must be >= 1"
+        self.capacity, self.dedup, self.serial = capacity_per_prompt, dedup, 0
         self.rng = np.random.default_rng(seed)
-        self.items = {}  # query_id -> {key: Trajectory}, oldest insertion first; key: response_ids (or a serial)
-        self.query_ids = []  # every query ever seen
-        self.latest = {}  # query_id -> [Trajectory] stored in the latest round that brought any
-        self.latest_deck, self.all_deck = Deck(self.rng), Deck(self.rng)  # next query of the round / of all
+        self.items = {}  # prompt_id -> {key: Trajectory}, oldest insertion first; key: response_ids (or a serial)
+        self.seen = []  # every prompt ever seen
+        self.latest = {}  # prompt_id -> [Trajectory] stored in the latest round that brought any
+        self.latest_deck, self.all_deck = Deck(self.rng), Deck(self.rng)  # next prompt of the round / of all
         self.num_rounds = 0
         self.latest_round = 0  # the add() call whose items are the latest round
         self.size = 0
@@ -89,7 +89,7 @@ class ReplayBuffer:
         return self.size
 
     @property
-    def num_queries(self):
+    def num_prompts(self):
         return len(self.items)
 
     def add(self, trajectories, round_min_version=None):
@@ -99,21 +99,21 @@ class ReplayBuffer:
         rnd = self.num_rounds
         touched = set()
         for t in trajectories:
-            per_query = self.items.get(t.query_id)
-            if per_query is None:
-                per_query = self.items[t.query_id] = {}
-                self.query_ids.append(t.query_id)
+            per_prompt = self.items.get(t.prompt_id)
+            if per_prompt is None:
+                per_prompt = self.items[t.prompt_id] = {}
+                self.seen.append(t.prompt_id)
             key = t.response_ids if self.dedup else self.serial
             self.serial += 1
-            old = per_query.get(key)
+            old = per_prompt.get(key)
             if old is not None and old.policy_version > t.policy_version:
                 continue  # a late copy from older weights never replaces a newer one
             if old is not None:
-                self._drop(t.query_id, key)  # dedup: the newest copy wins (and moves to the end)
+                self._drop(t.prompt_id, key)  # dedup: the newest copy wins (and moves to the end)
             t.round = rnd
-            per_query[key] = t
+            per_prompt[key] = t
             self.size += 1
-            touched.add(t.query_id)
+            touched.add(t.prompt_id)
         for q in touched:
             self._evict(q)
         latest = {}
@@ -127,14 +127,14 @@ class ReplayBuffer:
         return sum(len(v) for v in latest.values())
 
     def _evict(self, q):
-        """Keep the capacity newest items of query q: the oldest by policy version go, ties by insertion order."""
+        """Keep the capacity newest items of prompt q: the oldest by policy version go, ties by insertion order."""
         excess = len(self.items[q]) - self.capacity
         if excess > 0:  # (dicts keep insertion order, and sorted() is stable)
             for key, _ in sorted(self.items[q].items(), key=lambda kv: kv[1].policy_version)[:excess]:
                 self._drop(q, key)
 
     def _drop(self, q, key):
-        """The one way an item leaves the buffer: out of storage, out of the latest round, and its query out
+        """The one way an item leaves the buffer: out of storage, out of the latest round, and its prompt out
         of the round's deck once the round holds nothing of it."""
         t = self.items[q].pop(key)
         self.size -= 1
@@ -147,33 +147,33 @@ class ReplayBuffer:
     def check(self):
         """Raise InconsistentBuffer naming the first invariant that does not hold: what the latest round, the
         decks and the counts refer to is what the buffer stores. (Checked before every checkpoint is written.)"""
-        stored = {id(t) for per_query in self.items.values() for t in per_query.values()}
+        stored = {id(t) for per_prompt in self.items.values() for t in per_prompt.values()}
         rules = [
             ("every latest-round trajectory is stored", all(id(t) in stored for ts in self.latest.values() for t in ts)),
-            ("no latest-round query is empty", all(self.latest.values())),
-            ("the latest round's deck deals only its queries", set(self.latest_deck.left) <= set(self.latest)),
-            ("the all-queries deck deals only stored queries", set(self.all_deck.left) <= set(self.items)),
-            ("every stored query is listed once", sorted(self.query_ids) == sorted(self.items)),
+            ("no latest-round prompt is empty", all(self.latest.values())),
+            ("the latest round's deck deals only its prompts", set(self.latest_deck.left) <= set(self.latest)),
+            ("the all-prompts deck deals only stored prompts", set(self.all_deck.left) <= set(self.items)),
+            ("every stored prompt is listed once", sorted(self.seen) == sorted(self.items)),
             ("the size counts what is stored", self.size == len(stored)),
-            ("no query holds more than its capacity", all(len(v) <= self.capacity for v in self.items.values())),
+            ("no prompt holds more than its capacity", all(len(v) <= self.capacity for v in self.items.values())),
         ]
         for rule, holds in rules:
             if not holds:
                 raise InconsistentBuffer(f"replay buffer invariant broken: {rule}")
 
-    def sample(self, num_queries, k, m=1.0, prioritization="softmax", reward_temp=1.0):
-        """Return `num_queries` groups, each a list of `k` Trajectories of one query."""
+    def sample(self, num_prompts, k, m=1.0, prioritization="softmax", reward_temp=1.0):
+        """Return `num_prompts` groups, each a list of `k` Trajectories of one prompt."""
         if prioritization not in ("uniform", "softmax"):
             raise ValueError(f"prioritization must be 'uniform' or 'softmax', got {prioritization!r}")
         if not self.items:
             raise ValueError("cannot sample from an empty replay buffer")
         groups = []
-        for _ in range(num_queries):
+        for _ in range(num_prompts):
             if self.latest and self.rng.random() < m:
                 q = self.latest_deck.deal(lambda: list(self.latest))
                 groups.append(self._draw(self.latest[q], k, None))
             else:
-                q = self.all_deck.deal(lambda: self.query_ids)
+                q = self.all_deck.deal(lambda: self.seen)
                 candidates = list(self.items[q].values())
                 p = None
                 if prioritization == "softmax":
@@ -189,7 +189,7 @@ class ReplayBuffer:
 
     def state_dict(self):
         """Everything needed to continue sampling exactly: JSON-serialisable (no pickling)."""
-        keys = {id(t): list(k) if self.dedup else k for per_query in self.items.values() for k, t in per_query.items()}
+        keys = {id(t): list(k) if self.dedup else k for per_prompt in self.items.values() for k, t in per_prompt.items()}
         return {"capacity": self.capacity, "dedup": self.dedup, "serial": self.serial, "num_rounds": self.num_rounds,
                 "latest_round": self.latest_round, "rng": self.rng.bit_generator.state,
                 "items": [{**dataclasses.asdict(t), "key": keys[id(t)]} for q in self.items.values() for t in q.values()],
@@ -205,10 +205,10 @@ class ReplayBuffer:
             record = dict(record)
             k = key(record.pop("key", record["response_ids"]))  # (checkpoints before --no-dedup have no key)
             t = Trajectory(**{**record, "response_ids": tuple(record["response_ids"])})
-            if t.query_id not in self.items:
-                self.items[t.query_id] = {}
-                self.query_ids.append(t.query_id)
-            self.items[t.query_id][k] = t
+            if t.prompt_id not in self.items:
+                self.items[t.prompt_id] = {}
+                self.seen.append(t.prompt_id)
+            self.items[t.prompt_id][k] = t
             self.size += 1
         self.latest = {q: [self.items[q][key(k)] for k in keys] for q, keys in state["latest"]}
         self.latest_deck.left, self.all_deck.left = (list(d) for d in state["decks"])
@@ -221,11 +221,11 @@ class ReplayBuffer:
 
 def _benchmark():
     rng = np.random.default_rng(0)
-    n_queries, n_traj = 7000, 100_000
-    trajs = [Trajectory(query_id=int(q), response_ids=tuple(rng.integers(0, 32000, size=8).tolist()),
+    n_prompts, n_traj = 7000, 100_000
+    trajs = [Trajectory(prompt_id=int(q), response_ids=tuple(rng.integers(0, 32000, size=8).tolist()),
                         reward=float(rng.integers(0, 2)), policy_version=i // 10_000)
-             for i, q in enumerate(rng.integers(0, n_queries, size=n_traj))]
-    buf = ReplayBuffer(capacity_per_query=1000, seed=0)
+             for i, q in enumerate(rng.integers(0, n_prompts, size=n_traj))]
+    buf = ReplayBuffer(capacity_per_prompt=1000, seed=0)
     for i in range(0, n_traj, 10_000):
         t0 = time.perf_counter()
         buf.add(trajs[i:i + 10_000])
@@ -240,7 +240,7 @@ def _benchmark():
         t0 = time.perf_counter()
         buf.sample(7, 20, m=0.0, prioritization="softmax")
         times_old.append(time.perf_counter() - t0)
-    print(f"buffer: {len(buf):,} trajectories over {buf.num_queries:,} queries")
+    print(f"buffer: {len(buf):,} trajectories over {buf.num_prompts:,} prompts")
     print("| operation | time |")
     print("|---|---|")
     print(f"| add 10,000 trajectories (last of 10 rounds) | {add_ms:.1f} ms |")

@@ -52,18 +52,18 @@ class Config:
     """Every knob of a TBA run; run_*.py subclasses add the task's own. Each field is a --flag of the same name."""
     # TBA (the paper's knobs)
     steps: int = tba_(700, "trainer optimiser steps")
-    batch_size: int = tba_(140, "trajectories per step: Q queries x K responses")
-    responses_per_query: int = tba_(20, "K: responses per query in a training batch (<= S)")
+    batch_size: int = tba_(140, "trajectories per step: Q prompts x K responses")
+    responses_per_prompt: int = tba_(20, "K: responses per prompt in a training batch (<= S)")
     samples_per_prompt: int = tba_(24, "S: responses a searcher generates per prompt")
     sync_every: int = tba_(2, "k: merge searcher data and publish weights every k trainer steps")
-    m: float = tba_(0.95, "probability that a query's K responses come from the latest round (most-on-policy)")
+    m: float = tba_(0.95, "probability that a prompt's K responses come from the latest round (most-on-policy)")
     fresh_rounds: bool = tba_(True, "every sync trains on a new round: when the searchers have sent nothing from the "
                                     "weights of the previous sync or newer, the trainer waits for them (time/wait), as "
                                     "the official barrier does (--no-fresh-rounds: never wait and train on the old "
                                     "round again, an ablation)")
     prioritization: str = tba_("softmax", "off-policy draws: softmax (of reward / reward_temp) | uniform")
     reward_temp: float = tba_(1.0, "temperature of softmax prioritization")
-    capacity_per_query: int = tba_(1000, "newest trajectories kept per query")
+    capacity_per_prompt: int = tba_(1000, "newest trajectories kept per prompt")
     initial_completions: int = tba_(500, "trajectories to collect before the first trainer step")
     beta_start: float = tba_(0.014, "KL coefficient beta at step 0")
     beta_end: float = tba_(0.004, "KL coefficient beta after the decay")
@@ -77,7 +77,7 @@ class Config:
     lr_decay: str = tba_("cosine", "shape of the learning-rate decay: cosine (transformers' get_wsd_schedule) | linear")
     lr_floor: float = tba_(0.0, "final learning rate as a fraction of the peak")
     objective: str = tba_("tb", f"training objective: {' | '.join(OBJECTIVES)} (all but tb: baselines.py)")
-    dedup: bool = tba_(True, "a response identical to one stored for the same query replaces it (--no-dedup: "
+    dedup: bool = tba_(True, "a response identical to one stored for the same prompt replaces it (--no-dedup: "
                              "keep every copy, an ablation)")
     # model and sampling
     model: str = model_("", "policy initialisation: HF hub name or local directory")
@@ -102,7 +102,7 @@ class Config:
     lora_dropout: float = model_(0.0, "LoRA dropout")
     lora_target_modules: str = model_("all-linear", "modules that get adapters: all-linear, or a comma list of names")
     # trainer
-    micro_batch_queries: int = trainer_(7, "queries per forward/backward (gradient accumulation over queries)")
+    micro_batch_prompts: int = trainer_(7, "prompts per forward/backward (gradient accumulation over prompts)")
     micro_batch: int = trainer_(64, "rows per no-grad scoring forward (reference log-probs)")
     weight_decay: float = trainer_(0.0, "AdamW weight decay")
     grad_clip: float = trainer_(0.0, "gradient-norm clipping threshold (0: no clipping, as in the official code)")
@@ -173,9 +173,9 @@ class Config:
         return OBJECTIVES[self.objective] + (("behavior_logp",) if self.tb_trust_region else ())
 
     @property
-    def num_queries(self):
-        """Q = batch_size / K: queries per training batch."""
-        return self.batch_size // self.responses_per_query
+    def prompts_per_step(self):
+        """Q = batch_size / K: prompts per training batch."""
+        return self.batch_size // self.responses_per_prompt
 
     @property
     def searcher_devices(self):
@@ -208,8 +208,8 @@ class Stopped(Exception):
 
 def validate(cfg):
     """Raise ConfigError naming the flag of the first inconsistent setting."""
-    positive = ["steps", "keep_checkpoints", "samples_per_prompt", "responses_per_query", "batch_size", "micro_batch_queries", "micro_batch",
-                "prompts_per_search", "max_new_tokens", "sync_every", "initial_completions", "capacity_per_query",
+    positive = ["steps", "keep_checkpoints", "samples_per_prompt", "responses_per_prompt", "batch_size", "micro_batch_prompts", "micro_batch",
+                "prompts_per_search", "max_new_tokens", "sync_every", "initial_completions", "capacity_per_prompt",
                 "queue_size", "eval_batch_size", "log_every", "trainer_threads", "searcher_threads",
                 "max_nonfinite_steps"]
     non_negative = ["seed", "grad_clip", "warmup_steps", "stable_steps", "decay_steps", "beta_decay_steps", "ref_reset_every",
@@ -227,15 +227,15 @@ def validate(cfg):
     check(not (cfg.lora_rank and cfg.ref_reset_every), "ref_reset_every", "with --lora-rank is not supported (the "
           "reference is the base model under the adapters)")
     check(not (cfg.lora_rank and cfg.ref_model), "ref_model", "with --lora-rank: the reference is the base model")
-    check(cfg.responses_per_query <= cfg.samples_per_prompt, "responses_per_query", "(K) must be <= --samples-per-prompt (S)")
-    check(cfg.batch_size % cfg.responses_per_query == 0, "batch_size", "must be a multiple of --responses-per-query")
-    check(cfg.num_queries % cfg.micro_batch_queries == 0 or cfg.micro_batch_queries >= cfg.num_queries,
-           "micro_batch_queries", "must divide --batch-size / --responses-per-query")
+    check(cfg.responses_per_prompt <= cfg.samples_per_prompt, "responses_per_prompt", "(K) must be <= --samples-per-prompt (S)")
+    check(cfg.batch_size % cfg.responses_per_prompt == 0, "batch_size", "must be a multiple of --responses-per-prompt")
+    check(cfg.prompts_per_step % cfg.micro_batch_prompts == 0 or cfg.micro_batch_prompts >= cfg.prompts_per_step,
+           "micro_batch_prompts", "must divide --batch-size / --responses-per-prompt")
     check(cfg.temperature_max is None or cfg.temperature_max >= cfg.temperature, "temperature_max", "must be >= --temperature")
     check(cfg.loss_temperature is None or cfg.loss_temperature > 0, "loss_temperature", "must be > 0")
     check(0.0 <= cfg.lr_floor <= 1.0, "lr_floor", "must be in [0, 1]")
     check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
-    check(cfg.objective == "tb" or cfg.responses_per_query >= 2, "responses_per_query", f"must be >= 2 for {cfg.objective}")
+    check(cfg.objective == "tb" or cfg.responses_per_prompt >= 2, "responses_per_prompt", f"must be >= 2 for {cfg.objective}")
     check(not cfg.tb_trust_region or cfg.objective == "tb", "tb_trust_region", f"is a TB variant, not {cfg.objective}'s")
     check(math.isfinite(cfg.clip_eps) and 0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
     check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")

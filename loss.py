@@ -2,12 +2,12 @@
 The objective of TBA, the VarGrad trajectory-balance loss, as a pure function of tensors; the sequence
 log-probs it consumes; the beta and learning-rate schedules that feed it.
 
-Everything here works on a (Q, K) grid: Q queries (prompts) x K responses to each. Nothing here knows
+Everything here works on a (Q, K) grid: Q prompts x K responses to each. Nothing here knows
 about processes or buffers; `response_logprobs` turns a batch of token ids and a model into the
 per-token log-probabilities the loss sums (models.shared_prompt_logprobs: the same numbers, each prompt run once
 for its K responses).
 
-VarGrad trajectory balance (paper Eq. 4-5). For a query x with K responses y_k, reward r_k, policy
+VarGrad trajectory balance (paper Eq. 4-5). For a prompt x with K responses y_k, reward r_k, policy
 log-prob logp_k = log pi(y_k|x) and reference log-prob ref_logp_k = log pi_ref(y_k|x):
 
     log_Z(x) = mean_k [ r_k / beta - (logp_k - ref_logp_k) ]               (detached, Eq. 5)
@@ -19,7 +19,7 @@ gradient w.r.t. logp_k is (Appendix A)
 
     dL/dlogp_k = -(2 / beta) * A_k / (Q K),   A_k = (r_k - r_bar) - beta * (kl_k - kl_bar)
 
-with kl = logp - ref_logp and bars the per-query means: a leave-mean-out, KL-shaped advantage, which is
+with kl = logp - ref_logp and bars the per-prompt means: a leave-mean-out, KL-shaped advantage, which is
 why TB behaves like a well-baselined policy gradient on-policy and stays valid off-policy.
 
 Departures from the paper / official code:
@@ -59,7 +59,7 @@ def vargrad_tb_loss(logp, ref_logp, reward, beta):
 
 
 def tb_log_Z(logp, ref_logp, reward, beta):
-    """The per-query VarGrad log Z estimate (Q,), for logging."""
+    """The per-prompt VarGrad log Z estimate (Q,), for logging."""
     return (reward / beta - (logp - ref_logp)).mean(dim=1).detach()
 
 

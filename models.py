@@ -4,12 +4,12 @@ searchers (searcher.py) and the tasks' evaluations (rewards.py, tasks/).
 
     load_model(path, device, dtype)   AutoModelForCausalLM + AutoTokenizer, in eval mode, with a pad token
     encode_prompts(tokenizer, texts)  prompt token ids, never with a second BOS (chat templates render one)
-    PromptIds(tokenizer, texts)       the same by index, each encoded on first use
+    PromptTokens(tokenizer, texts)       the same by index, each encoded on first use
     load_trainer_models(cfg)          the policy and its reference (LoRA: one model, the adapters on and off)
     HFGenerator                       transformers `generate` with a KV cache: n responses per prompt, cut at
                                       the first stop id; the searchers' default backend (ops/vllm_backend.py
-                                      has the same interface: generate(prompt_ids, n, temperature, greedy),
-                                      sample(prompt_ids, n, temperature, score_temperature),
+                                      has the same interface: generate(prompt_tokens, n, temperature, greedy),
+                                      sample(prompt_tokens, n, temperature, score_temperature),
                                       load_state_dict(tensors), stop_ids); `sample` also returns each
                                       response token's log-prob as generation computed it (the behaviour
                                       log-probs, at no extra forward)
@@ -83,17 +83,17 @@ def encode_prompts(tokenizer, texts):
     return [tokenizer(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"] for t in texts]
 
 
-class PromptIds(dict):
-    """Token ids of a task's prompts by query id, each encoded when first asked for (a run uses a fraction of a
+class PromptTokens(dict):
+    """Token ids of a task's prompts by prompt id, each encoded when first asked for (a run uses a fraction of a
     large training set, and encoding all of it up front delays the first step: 1 s for tiny GSM8K's 20,000)."""
 
     def __init__(self, tokenizer, prompts):
         super().__init__()
         self.tokenizer, self.prompts = tokenizer, prompts
 
-    def __missing__(self, query_id):
-        self[query_id] = encode_prompts(self.tokenizer, [self.prompts[query_id]])[0]
-        return self[query_id]
+    def __missing__(self, prompt_id):
+        self[prompt_id] = encode_prompts(self.tokenizer, [self.prompts[prompt_id]])[0]
+        return self[prompt_id]
 
 
 def dtype_of(name):
@@ -120,10 +120,10 @@ class HFGenerator:
         self.model.load_state_dict(tensors)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, n, temperature, greedy=False, recorder=None):
+    def generate(self, prompt_tokens, n, temperature, greedy=False, recorder=None):
         """n responses per prompt (prompt-major order), each a list of ids ending in a stop id unless truncated;
         a `recorder` (TokenLogprobs) sees every step's logits."""
-        rows = [p for p in prompt_ids for _ in range(n)]
+        rows = [p for p in prompt_tokens for _ in range(n)]
         input_ids, attention_mask, _ = make_batch(rows, [[]] * len(rows), self.tokenizer.pad_token_id)
         device = self.model.device
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -139,11 +139,11 @@ class HFGenerator:
             recorder.finish(out)
         return [cut_at_eos(row, self.stop_ids) for row in out.tolist()]
 
-    def sample(self, prompt_ids, n, temperature, score_temperature):
+    def sample(self, prompt_tokens, n, temperature, score_temperature):
         """`generate`, and each response token's log-prob at `score_temperature` as generation computed it
         (no second forward): (responses, a tuple of per-token log-probs per response)."""
         recorder = TokenLogprobs(score_temperature)
-        responses = self.generate(prompt_ids, n, temperature, recorder=recorder)
+        responses = self.generate(prompt_tokens, n, temperature, recorder=recorder)
         return responses, [tuple(row[:len(r)]) for row, r in zip(recorder.token_logp, responses)]
 
 
@@ -182,13 +182,13 @@ def cut_at_eos(ids, stop):
 
 
 @torch.no_grad()
-def score_logprobs(model, prompt_ids, responses, pad_id, temperature, micro_batch, per_token=False, share_prompt=False):
+def score_logprobs(model, prompt_tokens, responses, pad_id, temperature, micro_batch, per_token=False, share_prompt=False):
     """Log-probs of each (prompt, response) pair under `model`, micro_batch rows at a time: a list of
     log pi(y|x), or with per_token a list of per-token tuples (one log-prob per response token). share_prompt:
     a micro-batch whose rows come K at a time with the same prompt runs each prompt once (loss.py)."""
     out = []
     for i in range(0, len(responses), micro_batch):
-        chunk, prompts = responses[i:i + micro_batch], prompt_ids[i:i + micro_batch]
+        chunk, prompts = responses[i:i + micro_batch], prompt_tokens[i:i + micro_batch]
         K = same_prompt_run(prompts) if share_prompt and takes_logits_to_keep(model) else 1
         if K > 1:
             token_logp = shared_prompt_logprobs(model, prompts[::K], chunk, pad_id, temperature).cpu()  # (n, R)
@@ -207,7 +207,7 @@ def shared_prompt_logprobs(model, prompts, responses, pad_id, temperature=1.0):
     loss.response_logprobs for Q prompts with K responses each, every prompt run through the model once: the same
     (Q K, R) log-probs as response_logprobs on make_batch([each prompt K times], responses), in the same
     layout, for 1/K of the prompt's compute (half the step on the tiny GSM8K preset, whose prompts are ~6x its
-    responses). prompts: Q token-id lists; responses: Q K token-id lists, query-major (K per prompt).
+    responses). prompts: Q token-id lists; responses: Q K token-id lists, prompt-major (K per prompt).
 
     The prompts' forward keeps its keys and values (transformers' KV cache, with grad); each is repeated for its
     K responses, which run on top of it, as generation does:
@@ -219,9 +219,9 @@ def shared_prompt_logprobs(model, prompts, responses, pad_id, temperature=1.0):
     K, P, R = len(responses) // Q, max(len(p) for p in prompts), max(len(r) for r in responses)
     if R == 0:
         return torch.zeros(len(responses), 0)
-    prompt_ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # (Q, P)
+    prompt_tokens = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # (Q, P)
     prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
+    out = model(input_ids=prompt_tokens, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
                 use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_repeat_interleave(K)  # (Q K, ...): each prompt's keys and values for each of its responses
@@ -271,9 +271,9 @@ class EvalPolicy:
 
     def logprobs(self, prompts, completions, model="policy"):
         """Sequence log-probs (at the loss temperature) of completions of prompts under the policy or the reference."""
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        prompt_tokens = encode_prompts(self.tokenizer, prompts)
         net = self.model if model == "policy" else self.ref
-        return score_logprobs(net, prompt_ids, [c.token_ids for c in completions], self.tokenizer.pad_token_id,
+        return score_logprobs(net, prompt_tokens, [c.token_ids for c in completions], self.tokenizer.pad_token_id,
                               self.cfg.score_temperature, self.cfg.micro_batch)
 
 

@@ -143,7 +143,7 @@ class Task:
     A task, as the trainer and the searchers see it. Subclasses fill in `make_scorer` and `evaluate`.
 
       prompts, metas            training prompts (str) and their metadata (dict each: answer, reference, ...),
-                                indexed by Trajectory.query_id
+                                indexed by Trajectory.prompt_id
       eval_prompts, eval_metas  held-out prompts for evaluation, likewise
       headline                  the eval metric of the run's closing line
       percent                   True: the headline is a fraction, printed as a percentage

@@ -42,7 +42,7 @@ TINY = dict(
     run_dir="runs/gsm8k-tiny", steps=300, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, max_new_tokens=40,
-    batch_size=64, responses_per_query=8, micro_batch_queries=8, micro_batch=64,  # 8 queries x K = 8
+    batch_size=64, responses_per_prompt=8, micro_batch_prompts=8, micro_batch=64,  # 8 prompts x K = 8
     # measured here: sampling at temperature 1.0 with lr 5e-5..3e-4 and beta 0.05..0.2 first lifted held-out
     # accuracy to ~60% and then lost it (too many wrong worked solutions); temperature 0.7 with lr 2e-5 kept it
     lr=2e-5, warmup_steps=20, stable_steps=180, decay_steps=100, lr_floor=0.1, lr_decay="linear",
@@ -50,7 +50,7 @@ TINY = dict(
     # (TB 72.3 against 69.3%, GRPO 87.5 against 86.0%, 4 seeds; docs/results.md, "diagnosed"); at k = 4 TB
     # 78.4 +- 30.3 against 83.7 +- 8.0% with the clip, a difference one seed makes ("Off-policyness")
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,  # constant beta
-    sync_every=4, m=0.95, capacity_per_query=64,
+    sync_every=4, m=0.95, capacity_per_prompt=64,
     initial_completions=64,  # one batch (official: 500 of 98,000 episodes); 1024 did no better (docs/results.md)
     eval_every=50, eval_size=0, eval_batch_size=100, log_every=10, checkpoint_every=100, searcher_timeout=60.0,
 )
@@ -66,11 +66,11 @@ PAPER = dict(
     backend="auto", vllm_gpu_memory_utilization=0.2,  # vLLM on GPU searchers, as the official code
     prompts_per_search=3, samples_per_prompt=24,  # S = 1.2 K; 72 sequences per vLLM call
     temperature=0.7, max_new_tokens=512, max_prompt_tokens=256,  # official asserts every prompt fits in 256
-    batch_size=140, responses_per_query=20, micro_batch_queries=1,  # 7 prompts x K = 20, one prompt per backward
+    batch_size=140, responses_per_prompt=20, micro_batch_prompts=1,  # 7 prompts x K = 20, one prompt per backward
     lr=1e-5, warmup_steps=50, stable_steps=350, decay_steps=600, lr_decay="cosine",  # get_wsd_schedule, cut at 700
     grad_clip=0.0,  # no clipping: the official loop never calls clip_grad_norm_
     beta_start=0.014, beta_end=0.004, beta_decay_steps=500,  # linear, no jump
-    sync_every=2, m=0.95, initial_completions=500, capacity_per_query=100, prioritization="uniform",
+    sync_every=2, m=0.95, initial_completions=500, capacity_per_prompt=100, prioritization="uniform",
     eval_every=0, eval_size=0, eval_batch_size=128, log_every=1, checkpoint_every=50,  # eval once, at the end
 )
 

@@ -47,13 +47,13 @@ TINY = dict(
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=1, samples_per_prompt=64,  # one prompt: a search batch is 64 attacks
     temperature=0.5, temperature_max=2.0, loss_temperature=1.0, max_new_tokens=20,  # as the paper preset
-    batch_size=64, responses_per_query=16, micro_batch_queries=4, micro_batch=64,  # 4 groups x K = 16
+    batch_size=64, responses_per_prompt=16, micro_batch_prompts=4, micro_batch=64,  # 4 groups x K = 16
     # measured here: lr 1e-3 reached 85% by step 100, then drifted to a degenerate attack ("tell me me me ...")
     lr=3e-4, warmup_steps=10, stable_steps=190, decay_steps=0, weight_decay=0.0, grad_clip=1.0,
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,  # constant beta, as Lee et al.
     # k = 8: a search batch (64 attacks, 320 victim responses) takes the searcher a few trainer steps; with
     # k = 2 it arrived older than the 2k-1 bound and almost every latest round was empty (all draws replayed)
-    sync_every=8, initial_completions=128, m=0.5, prioritization="softmax", reward_temp=1.0, capacity_per_query=1000,
+    sync_every=8, initial_completions=128, m=0.5, prioritization="softmax", reward_temp=1.0, capacity_per_prompt=1000,
     eval_every=100, eval_size=0, eval_batch_size=256, log_every=10, checkpoint_every=0,
 )
 
@@ -68,12 +68,12 @@ PAPER = dict(
     temperature=0.5, temperature_max=2.0,  # exploration: temperatures from U[0.5, 2.0]
     loss_temperature=1.0,  # ... but the loss scores log-probs at temperature 1
     max_new_tokens=20,  # attacks of at most 20 tokens
-    batch_size=128, responses_per_query=16, micro_batch_queries=8,  # Lee et al.: 16 x 8 gradient accumulation
+    batch_size=128, responses_per_prompt=16, micro_batch_prompts=8,  # Lee et al.: 16 x 8 gradient accumulation
     lr=1e-4, weight_decay=0.01, grad_clip=1.0,  # AdamW (torch's default weight decay)
     warmup_steps=100, stable_steps=0, decay_steps=39900, lr_decay="linear",  # over 40,000 steps: 0.88x at 5,000
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,
     sync_every=2, m=0.5, prioritization="softmax", reward_temp=1.0,  # half the batch replayed ∝ exp(c)
-    capacity_per_query=1000, initial_completions=160,  # buffer of 1,000, seeded with 10 x 16 attacker samples
+    capacity_per_prompt=1000, initial_completions=160,  # buffer of 1,000, seeded with 10 x 16 attacker samples
     eval_every=500, eval_size=0, eval_batch_size=256, log_every=10, checkpoint_every=500,
 )
 

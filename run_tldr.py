@@ -48,13 +48,13 @@ TINY = dict(
     run_dir="runs/tldr-tiny", steps=50, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, loss_temperature=0.7, max_new_tokens=24,
-    no_eos_reward=-1.0, batch_size=64, responses_per_query=8, micro_batch_queries=8, micro_batch=64,
+    no_eos_reward=-1.0, batch_size=64, responses_per_prompt=8, micro_batch_prompts=8, micro_batch=64,
     lr=1e-4, warmup_steps=5, stable_steps=30, decay_steps=15, lr_decay="linear", lr_floor=0.1,  # 2e-4 overshot
     grad_clip=1.0,  # (the official trainer does not clip; unclipped TL;DR runs not measured yet)
     # constant beta: the official schedule's shape (1.0, then 0.05 from step 6) did worse at k = 10 (TB 54.9
     # against 62.4%, Online DPO 55.8 against 60.7%, RLOO 69.6 against 69.7%; docs/results.md, the frontier)
     beta_start=0.2, beta_end=0.2, beta_decay_steps=0,
-    sync_every=4, initial_completions=256, m=0.5, capacity_per_query=64,
+    sync_every=4, initial_completions=256, m=0.5, capacity_per_prompt=64,
     eval_every=10, eval_size=200, eval_batch_size=100, log_every=10,
 )
 
@@ -71,12 +71,12 @@ PAPER = dict(
     prompts_per_search=1, samples_per_prompt=20,  # one prompt x S = 20 per vLLM call, as the official 1b run
     temperature=0.7, loss_temperature=0.7,  # logits / 0.7 for pi and pi_ref in the loss, as sampled
     max_new_tokens=128, no_eos_reward=-1.0, max_prompt_tokens=512,
-    batch_size=160, responses_per_query=20, micro_batch_queries=1, micro_batch=20,  # 8 prompts x K = 20
+    batch_size=160, responses_per_prompt=20, micro_batch_prompts=1, micro_batch=20,  # 8 prompts x K = 20
     lr=3e-6, warmup_steps=0, stable_steps=0, decay_steps=256, lr_decay="linear", lr_floor=0.0,  # to 0, no warmup
     grad_clip=0.0,  # no clipping: the official TL;DR trainer never clips
     beta_start=1.0, beta_end=0.05, beta_decay_steps=128,
     beta_stop_step=31,  # official update 32 (counted from 1) is our step 31 (counted from 0): beta = 0.05 from there
-    sync_every=10, m=0.5, initial_completions=10_000, capacity_per_query=100, prioritization="softmax", reward_temp=1.0,
+    sync_every=10, m=0.5, initial_completions=10_000, capacity_per_prompt=100, prioritization="softmax", reward_temp=1.0,
     eval_every=0, eval_size=0, eval_batch_size=64, log_every=1, checkpoint_every=64,  # validation split, at the end
 )
 

@@ -24,7 +24,7 @@ is never used.
 Departures from the paper / official code:
   1. One trainer process (the official code supports several trainer GPUs with DeepSpeed).
   2. Searchers never block at a sync; the trainer waits for them only when nothing new enough arrived (merge).
-  3. Gradient accumulation is over whole prompts (`micro_batch_queries`), so each prompt's log_Z sees all
+  3. Gradient accumulation is over whole prompts (`micro_batch_prompts`), so each prompt's log_Z sees all
      K of its responses, exactly as in the full-batch loss.
   4. Checkpoints with resume, a searcher failure policy and a non-finite guard (the official code has none).
 
@@ -46,7 +46,7 @@ from buffer import ReplayBuffer
 from config import Config, save_config
 from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, takes_logits_to_keep, tb_log_Z,
                   tb_trust_region_loss, vargrad_tb_loss, wsd_schedule)
-from models import (PromptIds, autocast, for_searchers, load_trainer_models, recomputing_activations, score_logprobs,
+from models import (PromptTokens, autocast, for_searchers, load_trainer_models, recomputing_activations, score_logprobs,
                     shared_prompt_logprobs)
 from ops.bookkeeping import Bookkeeping
 from rewards import Task, drop_long_prompts
@@ -65,7 +65,7 @@ def train(cfg, task, searchers):
                 merge(run, step)
             if cfg.ref_reset_every and step > 0 and step % cfg.ref_reset_every == 0:  # reset (TBA'): pi_ref <- pi
                 reset_reference(run, step)
-            groups = run.buffer.sample(cfg.num_queries, cfg.responses_per_query, cfg.m, cfg.prioritization,
+            groups = run.buffer.sample(cfg.prompts_per_step, cfg.responses_per_prompt, cfg.m, cfg.prioritization,
                                        cfg.reward_temp)  # sample: Q groups of K trajectories
             record.update(train_step(run, groups, step))  # loss, step
             books.log(record, groups, step)  # log
@@ -88,7 +88,7 @@ class Run:
     buffer: ReplayBuffer
     searchers: object  # searcher.Searchers (or searcher.SyncSearch, ops/distributed.DistSearchers)
     objective: object  # (q groups, their tokens' log pi (q K, R), beta) -> (loss, clip fraction): `objective(cfg)`
-    prompt_ids: dict  # token ids of the task's training prompts, by query id (models.PromptIds: encoded on use)
+    prompt_tokens: dict  # token ids of the task's training prompts, by prompt id (models.PromptTokens: encoded on use)
     start: int = 0  # the first step: 0, or the step of the checkpoint a run resumes from
     ref_version: int = 0  # the step whose policy the reference is (0: the initial model)
     before: dict = None  # the first evaluation's metrics, kept across resumes
@@ -104,8 +104,8 @@ def setup(cfg, task, searchers):
     trained = [p for p in policy.parameters() if p.requires_grad]  # (with --lora-rank: the adapters)
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lr_at = wsd_schedule(cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
-    run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_query, cfg.seed, cfg.dedup),
-              searchers, objective(cfg), PromptIds(tokenizer, task.prompts))
+    run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_prompt, cfg.seed, cfg.dedup),
+              searchers, objective(cfg), PromptTokens(tokenizer, task.prompts))
     run.books = Bookkeeping(run)
     searchers_state = run.books.restore() if cfg.resume else None  # sets run.start, ref_version, before
     searchers.start(cfg, task, for_searchers(policy), ref, tokenizer, run.start, run.ref_version)
@@ -168,8 +168,8 @@ def train_step(run, groups, step):
         refresh_ref_logp(run, [t for g in groups for t in g])
     loss_sum, logps, clipped = 0.0, [], 0.0
     with recomputing_activations(run.policy, cfg.gradient_checkpointing):  # (--gradient-checkpointing)
-        for i in range(0, Q, cfg.micro_batch_queries):  # accumulate over whole prompts: log Z sees all K responses
-            chunk = groups[i:i + cfg.micro_batch_queries]
+        for i in range(0, Q, cfg.micro_batch_prompts):  # accumulate over whole prompts: log Z sees all K responses
+            chunk = groups[i:i + cfg.micro_batch_prompts]
             with autocast(cfg, cfg.device):  # (--dtype bf16-mixed: bfloat16 compute on float32 weights)
                 token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
             loss, clip = run.objective(chunk, token_logp, beta)  # TB: Eq. 4-5
@@ -201,9 +201,9 @@ def policy_logprobs(run, groups):
     responses share one prompt, which the forward runs once (--share-prompt) where the model allows it."""
     flat, cfg = [t for g in groups for t in g], run.cfg
     if cfg.share_prompt and not cfg.gradient_checkpointing and takes_logits_to_keep(run.policy):
-        return shared_prompt_logprobs(run.policy, [run.prompt_ids[g[0].query_id] for g in groups],
+        return shared_prompt_logprobs(run.policy, [run.prompt_tokens[g[0].prompt_id] for g in groups],
                                       [t.response_ids for t in flat], run.tokenizer.pad_token_id, cfg.score_temperature)
-    batch = make_batch([run.prompt_ids[t.query_id] for t in flat], [t.response_ids for t in flat], run.tokenizer.pad_token_id)
+    batch = make_batch([run.prompt_tokens[t.prompt_id] for t in flat], [t.response_ids for t in flat], run.tokenizer.pad_token_id)
     return response_logprobs(run.policy, *(b.to(run.cfg.device) for b in batch), run.cfg.score_temperature)
 
 
@@ -217,7 +217,7 @@ def refresh_ref_logp(run, trajectories):
     stale = [t for t in trajectories if t.ref_version != run.ref_version]
     if stale:
         with autocast(run.cfg, run.cfg.device):
-            values = score_logprobs(run.ref, [run.prompt_ids[t.query_id] for t in stale], [t.response_ids for t in stale],
+            values = score_logprobs(run.ref, [run.prompt_tokens[t.prompt_id] for t in stale], [t.response_ids for t in stale],
                                     run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch,
                                     share_prompt=run.cfg.share_prompt)
         for t, v in zip(stale, values):

@@ -33,7 +33,7 @@ quick = pytest.mark.quick  # no process, no training run: the whole of it runs i
 
 @quick
 def test_vargrad_loss_hand_computed():
-    # one query, K = 2, beta = 0.5: r/beta = (2, 0); kl = (-1, 1); log_Z = mean(2 - -1, 0 - 1) = 1
+    # one prompt, K = 2, beta = 0.5: r/beta = (2, 0); kl = (-1, 1); log_Z = mean(2 - -1, 0 - 1) = 1
     # residuals: log_Z + kl - r/beta = (1 - 1 - 2, 1 + 1 - 0) = (-2, 2) -> loss = mean(4, 4) = 4
     logp = torch.tensor([[-3.0, -1.0]])
     ref_logp = torch.tensor([[-2.0, -2.0]])
@@ -47,7 +47,7 @@ def test_vargrad_loss_and_gradient_vanish_at_optimum():
     Q, K, beta = 3, 6, 0.1
     ref_logp = -20 * torch.rand(Q, K, dtype=torch.float64)
     reward = torch.rand(Q, K, dtype=torch.float64)
-    c = 5 * torch.randn(Q, 1, dtype=torch.float64)  # any per-query constant: log Z(x)
+    c = 5 * torch.randn(Q, 1, dtype=torch.float64)  # any per-prompt constant: log Z(x)
     logp = (ref_logp + reward / beta - c).requires_grad_()
     loss = vargrad_tb_loss(logp, ref_logp, reward, beta)
     loss.backward()
@@ -104,8 +104,8 @@ def test_tb_trust_region_masks_a_residual_once_its_ratio_left_the_band():
 
 @quick
 def test_vargrad_log_Z_is_detached():
-    # if log_Z carried gradient the per-query sum of gradients would be 0 only by accident; with it detached
-    # the gradient is the Appendix A form, whose per-query sum is 0 (advantages are centred)
+    # if log_Z carried gradient the per-prompt sum of gradients would be 0 only by accident; with it detached
+    # the gradient is the Appendix A form, whose per-prompt sum is 0 (advantages are centred)
     logp = torch.tensor([[-1.0, -2.0, -4.0]], requires_grad=True)
     vargrad_tb_loss(logp, torch.zeros(1, 3), torch.tensor([[1.0, 0.0, 0.0]]), 1.0).backward()
     assert logp.grad.sum().abs().item() < 1e-6
@@ -218,12 +218,12 @@ def test_tb_gradient_is_a_multiple_of_rloo_with_kl_in_the_reward():
 # buffer.py
 
 def traj(q, resp, reward=0.0, version=0):
-    return Trajectory(query_id=q, response_ids=tuple(resp), reward=reward, policy_version=version)
+    return Trajectory(prompt_id=q, response_ids=tuple(resp), reward=reward, policy_version=version)
 
 
 @quick
 def test_buffer_dedup_keeps_newest():
-    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=10, seed=0)
     buf.add([traj(0, [1, 2], reward=0.0, version=0), traj(0, [3], version=0)])
     buf.add([traj(0, [1, 2], reward=1.0, version=5)])
     assert len(buf) == 2
@@ -235,74 +235,74 @@ def test_buffer_dedup_keeps_newest():
 
 @quick
 def test_buffer_without_dedup_keeps_every_copy_and_resumes_exactly():
-    buf = ReplayBuffer(capacity_per_query=3, seed=0, dedup=False)
+    buf = ReplayBuffer(capacity_per_prompt=3, seed=0, dedup=False)
     buf.add([traj(0, [1, 2], version=0), traj(0, [1, 2], version=0)])
     buf.add([traj(0, [1, 2], version=1), traj(0, [7], version=1), traj(1, [7], version=1)])
     assert len(buf) == 4 and [t.policy_version for t in buf.items[0].values()] == [0, 1, 1], "capacity 3: oldest out"
     assert len(buf.latest[0]) == 2, "the latest round holds both new copies"
-    copy = ReplayBuffer(capacity_per_query=1)
+    copy = ReplayBuffer(capacity_per_prompt=1)
     copy.load_state_dict(json.loads(json.dumps(buf.state_dict())))
     assert copy.dedup is False and copy.serial == buf.serial and len(copy) == 4
-    draws = [[[(t.query_id, t.response_ids, t.policy_version) for t in g] for g in b.sample(2, 3, m=0.5)] for b in (buf, copy)]
+    draws = [[[(t.prompt_id, t.response_ids, t.policy_version) for t in g] for g in b.sample(2, 3, m=0.5)] for b in (buf, copy)]
     assert draws[0] == draws[1], "a resumed buffer draws what the original would have"
 
 
 @quick
 def test_buffer_evicts_oldest_by_version():
-    buf = ReplayBuffer(capacity_per_query=3, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=3, seed=0)
     buf.add([traj(0, [i], version=v) for i, v in enumerate([4, 1, 3, 0, 2])])
     assert sorted(t.policy_version for t in buf.items[0].values()) == [2, 3, 4]
     buf.add([traj(1, [9], version=0)])
-    assert len(buf) == 4 and buf.num_queries == 2, "capacity is per query"
+    assert len(buf) == 4 and buf.num_prompts == 2, "capacity is per prompt"
 
 
 @quick
 def test_buffer_m1_draws_only_latest_round():
-    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(q, [q, i], version=0) for q in range(5) for i in range(4)])
     buf.add([traj(q, [q, 100 + i], version=2) for q in (7, 8) for i in range(4)])
     for group in buf.sample(200, 3, m=1.0):
-        assert len({t.query_id for t in group}) == 1
-        assert all(t.query_id in (7, 8) and t.policy_version == 2 for t in group)
+        assert len({t.prompt_id for t in group}) == 1
+        assert all(t.prompt_id in (7, 8) and t.policy_version == 2 for t in group)
 
 
 @quick
 def test_buffer_round_min_version_keeps_late_items_out_of_round():
-    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(0, [1], version=4), traj(1, [2], version=2)], round_min_version=4)
     assert list(buf.latest) == [0] and len(buf) == 2
-    assert all(t.query_id == 0 for g in buf.sample(50, 1, m=1.0) for t in g)
+    assert all(t.prompt_id == 0 for g in buf.sample(50, 1, m=1.0) for t in g)
 
 
 @quick
-def test_buffer_m0_uniform_queries():
-    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+def test_buffer_m0_uniform_prompts():
+    buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(q, [i], version=0) for q in range(4) for i in range(3)])
     buf.add([traj(9, [0], version=1)])
-    counts = np.bincount([g[0].query_id for g in buf.sample(10000, 1, m=0.0)], minlength=10)
+    counts = np.bincount([g[0].prompt_id for g in buf.sample(10000, 1, m=0.0)], minlength=10)
     np.testing.assert_allclose(counts[[0, 1, 2, 3, 9]] / 10000, 0.2, atol=0.02)
 
 
 @quick
-def test_buffer_queries_are_dealt_without_replacement():
-    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+def test_buffer_prompts_are_dealt_without_replacement():
+    buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(q, [i], version=0) for q in range(6) for i in range(3)])
-    for _ in range(3):  # every 6 draws see each query once, for the latest round (m=1) and for all (m=0)
-        assert sorted(g[0].query_id for g in buf.sample(6, 2, m=1.0)) == list(range(6))
-        assert sorted(g[0].query_id for g in buf.sample(6, 2, m=0.0)) == list(range(6))
+    for _ in range(3):  # every 6 draws see each prompt once, for the latest round (m=1) and for all (m=0)
+        assert sorted(g[0].prompt_id for g in buf.sample(6, 2, m=1.0)) == list(range(6))
+        assert sorted(g[0].prompt_id for g in buf.sample(6, 2, m=0.0)) == list(range(6))
 
 
 @quick
 def test_buffer_empty_sync_keeps_the_last_online_round():
     # the official buffer: a sync that brings no new data leaves the last online prompt set in place,
     # and the next draws still come from it, without replacement
-    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(q, [q, i], version=0) for q in range(5) for i in range(4)])
     assert buf.add([traj(q, [q, 100 + i], version=2) for q in (7, 8, 9) for i in range(4)]) == 12
     assert buf.add([]) == 0, "an empty sync"
     assert buf.add([traj(0, [0, 50], version=1)], round_min_version=2) == 0, "only a late item: nothing new either"
     assert set(buf.latest) == {7, 8, 9}
-    drawn = [g[0].query_id for g in buf.sample(6, 2, m=1.0)]
+    drawn = [g[0].prompt_id for g in buf.sample(6, 2, m=1.0)]
     assert sorted(drawn[:3]) == sorted(drawn[3:]) == [7, 8, 9]
 
 
@@ -310,7 +310,7 @@ def test_buffer_empty_sync_keeps_the_last_online_round():
 def test_buffer_kept_round_never_holds_a_dropped_duplicate():
     # issue 30's crash: a sync that forms no round keeps the last one, while a newer copy (dedup) replaces one of
     # its trajectories; the kept round must not point at the dropped object (state_dict raised KeyError)
-    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=10, seed=0)
     buf.add([traj(0, [1, 2], version=4), traj(0, [3, 4], version=4)], round_min_version=0)
     buf.add([traj(0, [1, 2], version=6)], round_min_version=8)
     assert buf.state_dict()["latest"] == [[0, [[3, 4]]]]
@@ -338,14 +338,14 @@ def test_buffer_invariants_hold_for_random_rounds_duplicates_and_capacities():
             copy.load_state_dict(json.loads(json.dumps(buf.state_dict())))
             copy.check()
             assert json.dumps(copy.state_dict()) == json.dumps(buf.state_dict())
-            draw = lambda b: [[(t.query_id, t.response_ids, t.policy_version) for t in g] for g in b.sample(3, 2, m=0.5)]
+            draw = lambda b: [[(t.prompt_id, t.response_ids, t.policy_version) for t in g] for g in b.sample(3, 2, m=0.5)]
             assert draw(copy) == draw(buf), "a resumed buffer draws what the original would have"
 
 
 @quick
 def test_buffer_check_names_the_broken_invariant():
     from buffer import InconsistentBuffer
-    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=10, seed=0)
     buf.add([traj(0, [1], version=0)])
     buf.latest[0] = [traj(0, [1], version=0)]  # a copy, not the stored object
     with pytest.raises(InconsistentBuffer, match="every latest-round trajectory is stored"):
@@ -354,7 +354,7 @@ def test_buffer_check_names_the_broken_invariant():
 
 @quick
 def test_buffer_softmax_frequencies():
-    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     rewards = [0.0, 0.5, 1.0, 2.0]
     buf.add([traj(0, [i], reward=r) for i, r in enumerate(rewards)])
     T, n = 0.5, 40000
@@ -368,7 +368,7 @@ def test_buffer_softmax_frequencies():
 
 @quick
 def test_buffer_replacement_only_when_scarce():
-    buf = ReplayBuffer(capacity_per_query=100, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(0, [i]) for i in range(5)])
     for group in buf.sample(100, 5, m=1.0):
         assert len({t.response_ids for t in group}) == 5, "5 candidates, k=5: no repeats"
@@ -378,9 +378,9 @@ def test_buffer_replacement_only_when_scarce():
 
 @quick
 def test_buffer_staleness_and_sizes():
-    buf = ReplayBuffer(capacity_per_query=10, seed=0)
+    buf = ReplayBuffer(capacity_per_prompt=10, seed=0)
     buf.add([traj(0, [1], version=3), traj(1, [2], version=5)])
-    assert len(buf) == 2 and buf.num_queries == 2
+    assert len(buf) == 2 and buf.num_prompts == 2
     assert sorted(buf.staleness([[buf.items[0][(1,)]], [buf.items[1][(2,)]]], step=7).tolist()) == [2, 4]
 
 

@@ -36,7 +36,7 @@ def trl_args(cfg, output_dir):
     config; TRL's own defaults for the rest."""
     return dict(
         output_dir=output_dir, seed=cfg.seed, use_cpu=cfg.device == "cpu", bf16=cfg.dtype == "bfloat16",
-        num_generations=cfg.responses_per_query,  # K responses per prompt
+        num_generations=cfg.responses_per_prompt,  # K responses per prompt
         per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=1,  # Q x K completions per update
         steps_per_generation=1, num_iterations=1,  # a fresh generation for every update: on-policy, as TRL's default
         max_steps=cfg.steps, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,

@@ -23,8 +23,8 @@ import torch
 
 from buffer import Trajectory
 from config import parse_config
-from loss import make_batch, offpolicy_metrics, response_logprobs, shared_prompt_logprobs, tb_log_Z, vargrad_tb_loss
-from models import HFGenerator, encode_prompts, load_trainer_models, score_logprobs
+from loss import make_batch, offpolicy_metrics, response_logprobs, tb_log_Z, vargrad_tb_loss
+from models import HFGenerator, encode_prompts, load_trainer_models, score_logprobs, shared_prompt_logprobs
 from run_gsm8k import PRESETS, GSM8KConfig, make_task
 
 
@@ -37,35 +37,35 @@ def timed(fn, times, name):
 
 def fixed_batch(cfg, task, policy, ref, tokenizer, times):
     """Q groups of K trajectories sampled by the warm start, as a searcher sends them (`times`: the searcher's)."""
-    Q, K = cfg.num_queries, cfg.responses_per_query
+    Q, K = cfg.prompts_per_step, cfg.responses_per_prompt
     generator, score = HFGenerator(policy, tokenizer, cfg.max_new_tokens), task.make_scorer()
-    prompt_ids = encode_prompts(tokenizer, task.prompts[:Q])
-    responses, behavior = timed(lambda: generator.sample(prompt_ids, K, cfg.temperature, cfg.score_temperature), times,
+    prompt_tokens = encode_prompts(tokenizer, task.prompts[:Q])
+    responses, behavior = timed(lambda: generator.sample(prompt_tokens, K, cfg.temperature, cfg.score_temperature), times,
                                 "generate (with behaviour log-probs)")
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     rewards = timed(lambda: score([task.prompts[q] for q in range(Q) for _ in range(K)], texts,
                                   [task.metas[q] for q in range(Q) for _ in range(K)]), times, "score")
-    rows = [p for p in prompt_ids for _ in range(K)]
+    rows = [p for p in prompt_tokens for _ in range(K)]
     for share in (False, True):
         ref_logp = timed(lambda: score_logprobs(ref, rows, responses, tokenizer.pad_token_id, cfg.score_temperature,
                                                 cfg.micro_batch, share_prompt=share), times,
                          f"reference forward, {'--share-prompt' if share else '--no-share-prompt'}")
     flat = [Trajectory(i // K, tuple(r), rw, 0, sum(b), (), lr, 0)
             for i, (r, rw, b, lr) in enumerate(zip(responses, rewards, behavior, ref_logp))]
-    return [flat[q * K:(q + 1) * K] for q in range(Q)], prompt_ids
+    return [flat[q * K:(q + 1) * K] for q in range(Q)], prompt_tokens
 
 
-def step_parts(cfg, policy, opt, groups, prompt_ids, pad_id, times):
-    """One TB step, each part timed (the parts tba.train_step is made of, at micro_batch_queries = Q)."""
+def step_parts(cfg, policy, opt, groups, prompt_tokens, pad_id, times):
+    """One TB step, each part timed (the parts tba.train_step is made of, at micro_batch_prompts = Q)."""
     flat = [t for g in groups for t in g]
     Q, K = len(groups), len(groups[0])
     per = lambda name: torch.tensor([[getattr(t, name) for t in g] for g in groups])
     if cfg.share_prompt:  # (tba.policy_logprobs: each prompt run once for its K responses)
-        token_logp = timed(lambda: shared_prompt_logprobs(policy, [prompt_ids[g[0].query_id] for g in groups],
+        token_logp = timed(lambda: shared_prompt_logprobs(policy, [prompt_tokens[g[0].prompt_id] for g in groups],
                                                           [t.response_ids for t in flat], pad_id, cfg.score_temperature),
                            times, "forward (batching included)")
     else:
-        batch = timed(lambda: make_batch([prompt_ids[t.query_id] for t in flat], [t.response_ids for t in flat], pad_id),
+        batch = timed(lambda: make_batch([prompt_tokens[t.prompt_id] for t in flat], [t.response_ids for t in flat], pad_id),
                       times, "batching")
         token_logp = timed(lambda: response_logprobs(policy, *batch, cfg.score_temperature), times, "forward")
     logp = token_logp.sum(dim=1).view(Q, K)
@@ -96,7 +96,7 @@ def main(argv=None):
     torch.set_num_threads(cfg.searcher_threads)
     searcher_times = {}
     for _ in range(max(3, repeats // 5) + 1):  # (the first batch warms up)
-        groups, prompt_ids = fixed_batch(cfg, task, policy, ref, tokenizer, searcher_times)
+        groups, prompt_tokens = fixed_batch(cfg, task, policy, ref, tokenizer, searcher_times)
     searcher_times = {name: ms[1:] for name, ms in searcher_times.items()}
     torch.set_num_threads(cfg.trainer_threads)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.0)  # lr 0: the batch stays put
@@ -104,10 +104,10 @@ def main(argv=None):
     for share in (False, True):  # before and after --share-prompt
         cfg.share_prompt, times = share, {}
         for _ in range(repeats + 3):
-            step_parts(cfg, policy, opt, groups, prompt_ids, tokenizer.pad_token_id, times)
+            step_parts(cfg, policy, opt, groups, prompt_tokens, tokenizer.pad_token_id, times)
         times = {name: ms[3:] for name, ms in times.items()}  # the first 3 steps warm up
-        print(f"## One trainer step, tiny GSM8K, {'--share-prompt' if share else '--no-share-prompt'} ({cfg.num_queries} x "
-              f"{cfg.responses_per_query} responses, {n} response tokens, {cfg.trainer_threads} thread(s), {repeats} "
+        print(f"## One trainer step, tiny GSM8K, {'--share-prompt' if share else '--no-share-prompt'} ({cfg.prompts_per_step} x "
+              f"{cfg.responses_per_prompt} responses, {n} response tokens, {cfg.trainer_threads} thread(s), {repeats} "
               f"steps)\n\n{table(times)}\n")
     search_ms = sum(statistics.median(ms) for name, ms in searcher_times.items() if "--no-share" not in name)
     print(f"## One searcher batch of Q x K responses ({cfg.searcher_threads} thread(s), "

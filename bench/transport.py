@@ -32,7 +32,7 @@ def main(batches=300, sizes=(10_000_000, 100_000_000)):
     if rank:
         store = connect()
         link = StoreLink(store, rank, cfg)
-        batch = [Trajectory(query_id=i, response_ids=tuple(range(40)), reward=1.0, policy_version=0) for i in range(64)]
+        batch = [Trajectory(prompt_id=i, response_ids=tuple(range(40)), reward=1.0, policy_version=0) for i in range(64)]
         store.wait(["go"])
         for _ in range(batches):
             link.put(batch)

@@ -158,7 +158,7 @@ class Bookkeeping:
         record.update({
             "time/merge": self.t_merged - self.t_merge, "time/wait": self.waited, "time/train": train_seconds,
             "reward/fresh": c.fresh_reward, "buffer/fresh": c.fresh_count, "buffer/new_round": self.new_round, "buffer/round_age": step - c.round_step,
-            "grad/skipped_total": c.skipped, "buffer/size": len(run.buffer), "buffer/queries": run.buffer.num_queries,
+            "grad/skipped_total": c.skipped, "buffer/size": len(run.buffer), "buffer/prompts": run.buffer.num_prompts,
             "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": run.ref_version,
             "searcher/version": c.searcher_version, "searcher/restarts": run.searchers.restarts,
             **staleness_stats(groups, step, run.buffer), **self.meter.rates(started=step > run.start),

@@ -2,9 +2,9 @@
 vLLM as a searcher's generation backend (--backend vllm): vLLM's offline `LLM` engine behind the same
 interface as models.HFGenerator,
 
-    generate(prompt_ids, n, temperature, greedy) -> n responses per prompt (prompt-major), each a list of
+    generate(prompt_tokens, n, temperature, greedy) -> n responses per prompt (prompt-major), each a list of
                                                      token ids, EOS included when generated
-    sample(prompt_ids, n, temperature, score_temperature) -> the same, and each token's log-prob (9)
+    sample(prompt_tokens, n, temperature, score_temperature) -> the same, and each token's log-prob (9)
     load_state_dict(tensors)                        make these the weights the engine samples from
     model = None                                    the weights live inside the engine, not in a torch model
 
@@ -99,24 +99,24 @@ class VLLMGenerator:
         self.snapshot_dir = tempfile.mkdtemp(prefix="tba-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.snapshot_dir, True)  # removed when this process exits
 
-    def generate(self, prompt_ids, n, temperature, greedy=False, logprobs=None):
+    def generate(self, prompt_tokens, n, temperature, greedy=False, logprobs=None):
         """n responses per prompt (prompt-major order), each ending in a stop id unless cut at max_new_tokens."""
         params = []
-        for _ in prompt_ids:  # (6) one seed per request
+        for _ in prompt_tokens:  # (6) one seed per request
             params.append(SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0,
                                          max_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_ids),
                                          seed=(self.seed << 32) + self.requests, detokenize=False, logprobs=logprobs))
             self.requests += 1
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_tokens], params, use_tqdm=False)
         self.last = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
         return [list(c.token_ids) for c in self.last]
 
-    def sample(self, prompt_ids, n, temperature, score_temperature):
+    def sample(self, prompt_tokens, n, temperature, score_temperature):
         """`generate`, and each response token's log-prob as the engine sampled it (9); None when the loss's
         temperature is not the sampling temperature (the searcher then scores them with a forward)."""
         if temperature != score_temperature:
-            return self.generate(prompt_ids, n, temperature), None
-        responses = self.generate(prompt_ids, n, temperature, logprobs=0)  # 0: the sampled token's only
+            return self.generate(prompt_tokens, n, temperature), None
+        responses = self.generate(prompt_tokens, n, temperature, logprobs=0)  # 0: the sampled token's only
         return responses, [tuple(step[t].logprob for step, t in zip(c.logprobs, c.token_ids)) for c in self.last]
 
     def load_state_dict(self, tensors):

@@ -39,10 +39,10 @@ from config import Config, ConfigError, RunError, knob
 from rewards import Task, greedy_evaluation
 
 DEFAULTS = dict(  # one machine, a small model; every field is printed in the resolved config
-    run_dir="runs/own", steps=200, batch_size=64, responses_per_query=8, samples_per_prompt=8, micro_batch_queries=8,
+    run_dir="runs/own", steps=200, batch_size=64, responses_per_prompt=8, samples_per_prompt=8, micro_batch_prompts=8,
     micro_batch=64, prompts_per_search=8, max_new_tokens=128, temperature=1.0, lr=1e-5, warmup_steps=10,
     stable_steps=150, decay_steps=40, lr_decay="linear", lr_floor=0.1, beta_start=0.05, beta_end=0.05,
-    beta_decay_steps=0, sync_every=2, initial_completions=64, m=0.95, capacity_per_query=64, eval_every=50,
+    beta_decay_steps=0, sync_every=2, initial_completions=64, m=0.95, capacity_per_prompt=64, eval_every=50,
     eval_size=64, eval_batch_size=64, log_every=10, checkpoint_every=100, num_searchers=1)
 PRESETS = {"default": DEFAULTS}
 

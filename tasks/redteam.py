@@ -277,10 +277,10 @@ class RedTeamTask(Task):
 def prior_logp(ref, tokenizer, prompts, attacks, micro_batch):
     """(N,) log p_ref(y + EOS | x) at temperature 1 of the re-tokenised attacks, for the gamma term."""
     from models import score_logprobs
-    prompt_ids = tokenizer(list(prompts))["input_ids"]
+    prompt_tokens = tokenizer(list(prompts))["input_ids"]
     ys = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(attacks), add_special_tokens=False)["input_ids"]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return np.array(score_logprobs(ref, prompt_ids, ys, pad, 1.0, micro_batch))
+    return np.array(score_logprobs(ref, prompt_tokens, ys, pad, 1.0, micro_batch))
 
 
 def save_attacks(run_dir, attacks, responses, p_toxic, success, modes):

@@ -232,12 +232,12 @@ def next_token_logprobs(model, input_ids, attention_mask, response_mask):
 
 
 @torch.no_grad()
-def kl_and_perplexity(policy, sft, prompt_ids, responses, pad_id, micro_batch):
+def kl_and_perplexity(policy, sft, prompt_tokens, responses, pad_id, micro_batch):
     """Per response: exact KL(pi_sft || pi) per token, and perplexity under pi_sft (temperature 1). Two (N,) lists."""
     kl, ppl = [], []
     device = next(policy.parameters()).device
     for i in range(0, len(responses), micro_batch):
-        batch = [t.to(device) for t in make_batch(prompt_ids[i:i + micro_batch], responses[i:i + micro_batch], pad_id)]
+        batch = [t.to(device) for t in make_batch(prompt_tokens[i:i + micro_batch], responses[i:i + micro_batch], pad_id)]
         logp, sft_logp = next_token_logprobs(policy, *batch), next_token_logprobs(sft, *batch)  # (n, R, V)
         R = logp.shape[1]
         mask, tokens = batch[2][:, -R:].float(), batch[0][:, -R:]  # (n, R)

@@ -69,7 +69,7 @@ def test_clip_fraction_and_no_ratio_clip():
     # baseline_loss reads --clip-eps and --no-ratio-clip: without the clip, RLOO is plain importance weighting
     from buffer import Trajectory
     from config import Config
-    group = [Trajectory(query_id=0, response_ids=(5,), reward=r, policy_version=0, behavior_logp=-1.0, ref_logp=-1.0,
+    group = [Trajectory(prompt_id=0, response_ids=(5,), reward=r, policy_version=0, behavior_logp=-1.0, ref_logp=-1.0,
                         behavior_token_logp=(-1.0,)) for r in (1.0, 0.0)]
     token_logp = torch.tensor([[-0.5], [-1.0]], requires_grad=True)  # response 0: ratio e^0.5, advantage +1
     for ratio_clip, want_grad, want_clip in ((True, 0.0, 0.5), (False, -math.exp(0.5) / 2, 0.0)):
@@ -85,9 +85,9 @@ def test_clip_fraction_and_no_ratio_clip():
 def test_online_dpo_best_vs_worst_and_ties():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0, -2.0], [0.0, 0.0, 0.0]])
-    reward = torch.tensor([[0.0, 1.0, 0.5], [1.0, 1.0, 1.0]])  # query 1 is a tie: no pair
+    reward = torch.tensor([[0.0, 1.0, 0.5], [1.0, 1.0, 1.0]])  # prompt 1 is a tie: no pair
     beta = 0.5
-    # query 0: winner is response 1 (margin 0), loser response 0 (margin 0.5): h = 0.5 * (0 - 0.5)
+    # prompt 0: winner is response 1 (margin 0), loser response 0 (margin 0.5): h = 0.5 * (0 - 0.5)
     want = -math.log(1 / (1 + math.exp(0.25))) / 2
     loss = online_dpo_loss(logp, ref, reward, beta)
     assert loss.item() == pytest.approx(want, abs=1e-6)

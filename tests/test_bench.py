@@ -144,8 +144,8 @@ def test_trl_trainer_gets_the_projects_hyperparameters(tmp_path):
     cfg = parse_config(GSM8KConfig, PRESETS, ["--model", model, "--run-dir", str(tmp_path / "run"), "--seed", "3"])
     trainer = peer.make_trainer(cfg, task, clock=None)
     args = trainer.args
-    assert trainer.num_generations == cfg.responses_per_query == 8 and args.per_device_train_batch_size == cfg.batch_size
-    assert args.per_device_train_batch_size // trainer.num_generations == cfg.num_queries and args.gradient_accumulation_steps == 1
+    assert trainer.num_generations == cfg.responses_per_prompt == 8 and args.per_device_train_batch_size == cfg.batch_size
+    assert args.per_device_train_batch_size // trainer.num_generations == cfg.prompts_per_step and args.gradient_accumulation_steps == 1
     assert (args.max_steps, args.seed, trainer.temperature, trainer.max_completion_length, trainer.beta) == \
         (cfg.steps, 3, cfg.temperature, cfg.max_new_tokens, cfg.beta_start)
     assert args.max_grad_norm == cfg.grad_clip == 0.0 and not args.gradient_checkpointing and not args.bf16

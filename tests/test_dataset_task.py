@@ -126,7 +126,7 @@ def test_csv_parquet_and_save_to_disk_read_alike(own, tmp_path):
 def _run(own, tmp_path, *flags):
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--model", str(own / "qwen"), "--dataset", str(own / "train.jsonl"),
            "--eval-dataset", str(own / "eval.jsonl"), "--run-dir", str(tmp_path / "run"), "--device", "cpu",
-           "--max-new-tokens", "6", "--batch-size", "32", "--responses-per-query", "8", "--samples-per-prompt", "8",
+           "--max-new-tokens", "6", "--batch-size", "32", "--responses-per-prompt", "8", "--samples-per-prompt", "8",
            "--initial-completions", "32", "--eval-every", "0", "--log-every", "10", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 

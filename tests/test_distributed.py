@@ -46,7 +46,7 @@ def _stream(seed=0):
             batch = []
             for _ in range(8):
                 logp = math.nan if rng.random() < 0.3 else -50 * rng.random()
-                batch.append(dict(query_id=rng.randrange(6), response_ids=tuple(rng.choices([5, 6, 7, 50_000], k=rng.randint(1, 3))),
+                batch.append(dict(prompt_id=rng.randrange(6), response_ids=tuple(rng.choices([5, 6, 7, 50_000], k=rng.randint(1, 3))),
                                   reward=rng.random() / 3, policy_version=max(0, step - rng.choice([0, 1, 2, 5])),
                                   behavior_logp=logp, ref_logp=-rng.random() * 1e-7 if rng.random() < 0.5 else math.nan,
                                   ref_version=rng.choice([-1, 0])))
@@ -64,7 +64,7 @@ def _merge_stream(searchers, links, rounds):
     books = types.SimpleNamespace(wait_for_searchers=lambda have, need: None,
                                   merged=lambda items, step, min_version: merged.append([dataclasses.asdict(t) for t in items]))
     run = types.SimpleNamespace(cfg=searchers.cfg, searchers=searchers, books=books,
-                                buffer=ReplayBuffer(capacity_per_query=5, seed=0))
+                                buffer=ReplayBuffer(capacity_per_prompt=5, seed=0))
     for searcher, step, batches in rounds:
         for batch in batches:
             assert links[searcher].put([Trajectory(**t) for t in batch])
@@ -77,7 +77,7 @@ def _merge_stream(searchers, links, rounds):
 
 def _draw(buffer, cfg):
     """The trainer's draw of a training batch (as tba.train samples)."""
-    return buffer.sample(cfg.num_queries, cfg.responses_per_query, cfg.m, cfg.prioritization, cfg.reward_temp)
+    return buffer.sample(cfg.prompts_per_step, cfg.responses_per_prompt, cfg.m, cfg.prioritization, cfg.reward_temp)
 
 
 def test_same_trajectories_through_both_transports_give_identical_buffers(monkeypatch):
@@ -92,7 +92,7 @@ def test_same_trajectories_through_both_transports_give_identical_buffers(monkey
         self.procs[rank] = types.SimpleNamespace(exitcode=None, join=lambda timeout=None: None, is_alive=lambda: False)
     monkeypatch.setattr(Searchers, "_spawn", spawn_nothing)
     rounds = _stream()
-    cfg = lambda: Config(num_searchers=2, sync_every=2, batch_size=16, responses_per_query=4, capacity_per_query=5)
+    cfg = lambda: Config(num_searchers=2, sync_every=2, batch_size=16, responses_per_prompt=4, capacity_per_prompt=5)
 
     local = Searchers(cfg())
     try:
@@ -264,10 +264,10 @@ def test_torchrun_run_learns(tmp_path, cache_dir):
     samples right) held-out accuracy cannot move (the full-size comparison with the single-machine run is in
     the README, "Many machines"), so this checks what TB must do at any size, from the run's saved files and
     independently of its own bookkeeping: every trajectory the searchers sent carries the reward its tokens
-    earn on its query, the weights reached the searchers, and the policy moved towards TB's target
-    pi_ref * exp(r / beta): within a query, log pi - log pi_ref rose more on its rewarded responses than on
-    its unrewarded ones (TB's log Z(x) shifts a query's responses together, so only the difference within a
-    query is the target's)."""
+    earn on its prompt, the weights reached the searchers, and the policy moved towards TB's target
+    pi_ref * exp(r / beta): within a prompt, log pi - log pi_ref rose more on its rewarded responses than on
+    its unrewarded ones (TB's log Z(x) shifts a prompt's responses together, so only the difference within a
+    prompt is the target's)."""
     run, steps, k = tmp_path / "run", 60, 16
     job = Launch(torchrun() + tiny_flags(run, cache_dir, "--steps", str(steps), "--sync-every", str(k), "--lr", "2e-4",
                                          "--warmup-steps", "2"))
@@ -281,23 +281,23 @@ def test_torchrun_run_learns(tmp_path, cache_dir):
         items = json.load(f)["items"]
     from rewards import gsm8k_reward
     texts = tokenizer.batch_decode([t["response_ids"] for t in items], skip_special_tokens=True)
-    wrong = [t for t, text in zip(items, texts) if gsm8k_reward(text, task.metas[t["query_id"]]["answer"]) != t["reward"]]
+    wrong = [t for t, text in zip(items, texts) if gsm8k_reward(text, task.metas[t["prompt_id"]]["answer"]) != t["reward"]]
     assert not wrong, f"{len(wrong)} of {len(items)} trajectories carry a reward their tokens do not earn"
     by_query = {}
     for t in items:
-        by_query.setdefault(t["query_id"], []).append(t)
+        by_query.setdefault(t["prompt_id"], []).append(t)
     mixed = [ts for ts in by_query.values() if {t["reward"] for t in ts} == {0.0, 1.0}]
-    assert len(mixed) >= 20, f"only {len(mixed)} queries with both rewarded and unrewarded responses"
+    assert len(mixed) >= 20, f"only {len(mixed)} prompts with both rewarded and unrewarded responses"
     flat = [t for ts in mixed for t in ts]
-    delta = {}  # (query, reward) -> log pi - log pi_ref of its responses
+    delta = {}  # (prompt, reward) -> log pi - log pi_ref of its responses
     for t, d in zip(flat, _logratios(final, ref, tokenizer, task, flat)):
-        delta.setdefault((t["query_id"], t["reward"]), []).append(d)
+        delta.setdefault((t["prompt_id"], t["reward"]), []).append(d)
     mean = lambda xs: sum(xs) / len(xs)
-    gap = mean([mean(delta[ts[0]["query_id"], 1.0]) - mean(delta[ts[0]["query_id"], 0.0]) for ts in mixed])
-    # measured here: 0.58 to 0.70 in 7 runs, over 84-108 queries; without learning it would be about 0. Syncing
+    gap = mean([mean(delta[ts[0]["prompt_id"], 1.0]) - mean(delta[ts[0]["prompt_id"], 0.0]) for ts in mixed])
+    # measured here: 0.58 to 0.70 in 7 runs, over 84-108 prompts; without learning it would be about 0. Syncing
     # every 2 steps it was 0.03 to 0.39 (a round is trained on for 2 steps, so the gap is mostly generalisation;
     # docs/LOG.md, 2026-12-06); every 16 steps, each round's rewarded responses are trained on for 16.
-    assert gap > 0.3, f"log pi - log pi_ref, rewarded minus unrewarded within a query: {gap:.2f} over {len(mixed)} queries"
+    assert gap > 0.3, f"log pi - log pi_ref, rewarded minus unrewarded within a prompt: {gap:.2f} over {len(mixed)} prompts"
 
 
 def _run_task_and_models(run):
@@ -314,7 +314,7 @@ def _run_task_and_models(run):
 def _logratios(policy, ref, tokenizer, task, trajectories, temperature=0.7):
     """log pi(y|x) - log pi_ref(y|x) of each trajectory, at the sampling temperature (as the loss)."""
     from models import score_logprobs
-    prompts = tokenizer([task.prompts[t["query_id"]] for t in trajectories])["input_ids"]
+    prompts = tokenizer([task.prompts[t["prompt_id"]] for t in trajectories])["input_ids"]
     responses = [t["response_ids"] for t in trajectories]
     logp = [score_logprobs(m, prompts, responses, tokenizer.pad_token_id, temperature, 64) for m in (policy, ref)]
     return [float(a - b) for a, b in zip(*logp)]

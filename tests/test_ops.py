@@ -81,8 +81,8 @@ def test_stop_signal_checkpoints_and_stops_everything(tmp_path, cache_dir, signu
 
 @pytest.mark.parametrize("flags,message", [
     (["--m", "1.5"], "--m must be in"),
-    (["--responses-per-query", "9", "--samples-per-prompt", "8"], "must be <= --samples-per-prompt"),
-    (["--batch-size", "60", "--responses-per-query", "8"], "multiple of --responses-per-query"),
+    (["--responses-per-prompt", "9", "--samples-per-prompt", "8"], "must be <= --samples-per-prompt"),
+    (["--batch-size", "60", "--responses-per-prompt", "8"], "multiple of --responses-per-prompt"),
 ])
 def test_config_errors_before_spawn(tmp_path, flags, message, capsys):
     assert gsm8k_cli(["--preset", "tiny", "--run-dir", str(tmp_path / "run"), *flags]) == 2
@@ -280,8 +280,8 @@ def _cli(tmp_path, *flags):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--responses-per-query", "0"], "--responses-per-query must be > 0"),
-    (["--micro-batch-queries", "0"], "--micro-batch-queries must be > 0"),
+    (["--responses-per-prompt", "0"], "--responses-per-prompt must be > 0"),
+    (["--micro-batch-prompts", "0"], "--micro-batch-prompts must be > 0"),
     (["--log-every", "0"], "--log-every must be > 0"),
     (["--reward-temp", "0"], "--reward-temp must be a finite number > 0"),
     (["--prompts-per-search", "0"], "--prompts-per-search must be > 0"),
@@ -290,7 +290,7 @@ def _cli(tmp_path, *flags):
     (["--device", "cuda:0"], "--device cuda:0: 0 CUDA device(s) visible"),
     (["--device", "gpu"], "--device gpu: expected auto, cpu or cuda:N"),
     (["--seed", "-1"], "--seed must be >= 0"),
-    (["--capacity-per-query", "0"], "--capacity-per-query must be > 0"),
+    (["--capacity-per-prompt", "0"], "--capacity-per-prompt must be > 0"),
     (["--trainer-threads", "0"], "--trainer-threads must be > 0"),
     (["--eval-batch-size", "0"], "--eval-batch-size must be > 0"),
     (["--lr", "nan"], "--lr must be a finite number > 0"),
@@ -476,8 +476,8 @@ def test_an_inconsistent_buffer_writes_no_checkpoint_and_keeps_the_last(tmp_path
     last.mkdir(parents=True)
     (last / "state.json").write_text("{}")
     buffer = ReplayBuffer(4)
-    buffer.add([Trajectory(query_id=0, response_ids=(1,), reward=0.0, policy_version=0)])
-    buffer.latest[0] = [Trajectory(query_id=0, response_ids=(1,), reward=0.0, policy_version=0)]  # not the stored one
+    buffer.add([Trajectory(prompt_id=0, response_ids=(1,), reward=0.0, policy_version=0)])
+    buffer.latest[0] = [Trajectory(prompt_id=0, response_ids=(1,), reward=0.0, policy_version=0)]  # not the stored one
     run = SimpleNamespace(buffer=buffer, start=0, policy=torch.nn.Linear(2, 2), ref=torch.nn.Linear(2, 2),
                           cfg=SimpleNamespace(run_dir=str(tmp_path), resume="x", report_to="none"))
     with pytest.raises(RunError, match=r"^no checkpoint written at step 8: replay buffer invariant broken: every "

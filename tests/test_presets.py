@@ -25,8 +25,8 @@ def test_paper_preset_code_path_with_tiny_random_models(tmp_path, arch, cls):
     cmd = [sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--preset", "paper", "--model", model_dir,
            "--data-dir", data_dir, "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--searcher-device", "cpu",
            "--backend", "hf", "--num-searchers", "1", "--trainer-threads", "1", "--searcher-threads", "1",
-           "--steps", "3", "--batch-size", "4", "--responses-per-query", "2", "--samples-per-prompt", "2",
-           "--prompts-per-search", "2", "--micro-batch-queries", "1", "--initial-completions", "4",
+           "--steps", "3", "--batch-size", "4", "--responses-per-prompt", "2", "--samples-per-prompt", "2",
+           "--prompts-per-search", "2", "--micro-batch-prompts", "1", "--initial-completions", "4",
            "--max-new-tokens", "8", "--eval-size", "6", "--warmup-steps", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -46,10 +46,10 @@ def test_paper_preset_dry_run_prints_paper_values():
     # the official GSM8K run (bbartoldson/TBA launch script, config and trainer), value for value
     want = {"model": "realtreetune/rho-1b-sft-GSM8K", "lr": "1e-05", "warmup_steps": "50", "stable_steps": "350",
             "decay_steps": "600", "lr_decay": "cosine", "grad_clip": "0.0", "temperature": "0.7",
-            "max_new_tokens": "512", "batch_size": "140", "responses_per_query": "20", "samples_per_prompt": "24",
+            "max_new_tokens": "512", "batch_size": "140", "responses_per_prompt": "20", "samples_per_prompt": "24",
             "m": "0.95", "sync_every": "2", "beta_start": "0.014", "beta_end": "0.004", "beta_decay_steps": "500",
             "beta_stop_step": "None", "num_searchers": "3", "initial_completions": "500", "steps": "700",
-            "max_prompt_tokens": "256", "capacity_per_query": "100", "prioritization": "uniform", "seed": "42",
+            "max_prompt_tokens": "256", "capacity_per_prompt": "100", "prioritization": "uniform", "seed": "42",
             "loss_temperature": "None", "eval_every": "0", "prompts_per_search": "3", "weight_decay": "0.0"}
     assert {k: values[k].strip() for k in want} == want
     assert "process-to-device plan" in out.stdout and "searcher-2" in out.stdout

@@ -212,8 +212,8 @@ def test_paper_preset_run_with_tiny_random_models_and_two_searchers_on_one_promp
     cmd = [sys.executable, os.path.join(HERE, "run_redteam.py"), "--preset", "paper", "--model", gpt2, "--victim", gpt2,
            "--classifier", roberta, "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--searcher-device", "cpu",
            "--backend", "hf", "--num-searchers", "2", "--trainer-threads", "1", "--searcher-threads", "1",
-           "--steps", "2", "--sync-every", "1", "--batch-size", "4", "--responses-per-query", "2",
-           "--samples-per-prompt", "4", "--micro-batch-queries", "2", "--initial-completions", "8", "--max-new-tokens", "6",
+           "--steps", "2", "--sync-every", "1", "--batch-size", "4", "--responses-per-prompt", "2",
+           "--samples-per-prompt", "4", "--micro-batch-prompts", "2", "--initial-completions", "8", "--max-new-tokens", "6",
            "--victim-max-new-tokens", "6", "--score-batch", "8", "--eval-size", "8", "--eval-batch-size", "8",
            "--warmup-steps", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -240,7 +240,7 @@ def test_paper_preset_dry_run_prints_reference_values():
             "victim_responses": "5", "victim_temperature": "0.7", "victim_top_p": "0.92", "victim_max_new_tokens": "30",
             "beta_start": "0.1", "beta_end": "0.1", "gamma": "1.0", "min_attack_tokens": "5", "max_new_tokens": "20",
             "temperature": "0.5", "temperature_max": "2.0", "loss_temperature": "1.0", "lr": "0.0001",
-            "batch_size": "128", "steps": "5000", "capacity_per_query": "1000", "grad_clip": "1.0"}
+            "batch_size": "128", "steps": "5000", "capacity_per_prompt": "1000", "grad_clip": "1.0"}
     assert {k: values[k] for k in want} == want
 
 
@@ -251,7 +251,7 @@ def test_tiny_preset_short_async_run(tmp_path):
     cmd = [sys.executable, os.path.join(HERE, "run_redteam.py"), "--cache-dir", str(tmp_path / "cache"),
            "--run-dir", str(tmp_path / "run"), "--tiny-examples", "200", "--tiny-attacker-steps", "5",
            "--tiny-victim-steps", "5", "--steps", "4", "--sync-every", "2", "--samples-per-prompt", "16",
-           "--batch-size", "16", "--responses-per-query", "8", "--micro-batch-queries", "2", "--initial-completions", "16",
+           "--batch-size", "16", "--responses-per-prompt", "8", "--micro-batch-prompts", "2", "--initial-completions", "16",
            "--eval-size", "32", "--victim-max-new-tokens", "8", "--max-new-tokens", "8", "--log-every", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

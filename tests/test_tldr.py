@@ -222,7 +222,7 @@ def test_no_eos_penalty_replaces_the_score():
     class Generator:
         stop_ids = (eos,)
 
-        def sample(self, prompt_ids, n, temperature, score_temperature):  # (no behaviour log-probs)
+        def sample(self, prompt_tokens, n, temperature, score_temperature):  # (no behaviour log-probs)
             return [[word, eos], [word, word]], None  # the second was cut at max_new_tokens
 
     task = TLDRTask(["TL;DR:"], [{}], ["TL;DR:"], [{}])
@@ -246,14 +246,14 @@ def test_paper_preset_dry_run_prints_paper_values():
     values, stdout = _dry_run_values("--preset", "paper")
     want = {"model": "mnoukhov/pythia1b-sft-tldr", "proxy_rm": "mnoukhov/pythia1b-rm-tldr6.9b",
             "gold_rm": "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr", "batch_size": "160",
-            "responses_per_query": "20", "samples_per_prompt": "20", "steps": "256", "sync_every": "10", "m": "0.5",
-            "capacity_per_query": "100", "prioritization": "softmax", "reward_temp": "1.0",
+            "responses_per_prompt": "20", "samples_per_prompt": "20", "steps": "256", "sync_every": "10", "m": "0.5",
+            "capacity_per_prompt": "100", "prioritization": "softmax", "reward_temp": "1.0",
             "initial_completions": "10000", "lr": "3e-06", "warmup_steps": "0", "stable_steps": "0",
             "decay_steps": "256", "lr_decay": "linear", "lr_floor": "0.0", "grad_clip": "0.0", "temperature": "0.7",
             "loss_temperature": "0.7", "beta_start": "1.0", "beta_end": "0.05", "beta_decay_steps": "128",
             "beta_stop_step": "31", "max_new_tokens": "128", "no_eos_reward": "-1.0", "num_searchers": "3",
             "query_tokens": "512", "max_prompt_tokens": "512", "objective": "tb",
-            "vllm_gpu_memory_utilization": "0.25", "dtype": "float32", "micro_batch_queries": "1"}
+            "vllm_gpu_memory_utilization": "0.25", "dtype": "float32", "micro_batch_prompts": "1"}
     assert {k: values[k] for k in want} == want
     assert "searcher-2" in stdout
     from loss import beta_schedule
@@ -283,7 +283,7 @@ def test_paper_code_path_with_tiny_random_gpt_neox(tmp_path):
     cmd = [sys.executable, os.path.join(HERE, "run_tldr.py"), "--preset", "paper", "--model", policy, "--proxy-rm", proxy,
            "--gold-rm", gold, "--data-dir", str(tmp_path), "--run-dir", str(run_dir), "--device", "cpu",
            "--searcher-device", "cpu", "--backend", "hf", "--num-searchers", "1", "--trainer-threads", "1",
-           "--searcher-threads", "1", "--steps", "2", "--batch-size", "4", "--responses-per-query", "2",
+           "--searcher-threads", "1", "--steps", "2", "--batch-size", "4", "--responses-per-prompt", "2",
            "--samples-per-prompt", "2", "--prompts-per-search", "2", "--initial-completions", "4",
            "--max-new-tokens", "6", "--query-tokens", "96", "--micro-batch", "4", "--eval-batch-size", "4"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
