@@ -32,7 +32,8 @@ Departures from the paper / official code:
   2. The official buffer lives partly on the searchers, which send each changed prompt's whole store at a
      sync; here the trainer holds one buffer and merges trajectories. What is stored and drawn is the same.
 
-Run `python buffer.py` to time add and sample at paper scale (~100k trajectories over 7,000 prompts).
+Run `python buffer.py` to check the storage rules and time add and sample at paper scale (~100k trajectories over
+7,000 prompts). This file imports numpy alone: copy it alone.
 """
 
 import dataclasses
@@ -219,6 +220,22 @@ class ReplayBuffer:
         return np.array([step - t.policy_version for g in groups for t in g])
 
 
+def _self_check():
+    """The storage rules on a hand-made stream: dedup keeps the newest copy, a late copy never replaces it, a sync
+    with nothing new enough keeps the last round without the copy it dropped, m = 1 draws from that round only."""
+    t = lambda prompt, ids, version: Trajectory(prompt_id=prompt, response_ids=ids, reward=0.0, policy_version=version)
+    buf = ReplayBuffer(capacity_per_prompt=2, seed=0)
+    buf.add([t(0, (1, 2), 4), t(0, (3, 4), 4), t(1, (5,), 4)], round_min_version=4)
+    buf.add([t(0, (1, 2), 6), t(0, (3, 4), 2)], round_min_version=8)  # no round: (1, 2) replaced, (3, 4) too late
+    buf.check()
+    assert [x.policy_version for x in buf.items[0].values()] == [4, 6] and len(buf) == 3
+    assert {x.response_ids for g in buf.sample(20, 1, m=1.0) for x in g} == {(3, 4), (5,)}
+    copy = ReplayBuffer(1)
+    copy.load_state_dict(buf.state_dict())
+    assert copy.state_dict() == buf.state_dict()
+    print("buffer.py: self-check passed")
+
+
 def _benchmark():
     rng = np.random.default_rng(0)
     n_prompts, n_traj = 7000, 100_000
@@ -248,5 +265,6 @@ def _benchmark():
     print(f"| sample 7 x 20, m=0.0, softmax (median of 200) | {np.median(times_old) * 1e3:.2f} ms |")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python buffer.py: the self-check, then the timings (numpy alone)
+    _self_check()
     _benchmark()

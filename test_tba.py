@@ -12,7 +12,9 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from buffer import ReplayBuffer, Trajectory
 from loss import (beta_schedule, make_batch, offpolicy_metrics, sequence_logprobs, tb_trust_region_loss, vargrad_tb_loss,
                   wsd_schedule)
 from rewards import GSM8KTask, extract_answer, gold_answer, gsm8k_reward, load_gsm8k
-from tests.helpers import GSM8K_DIR, _bpe_tokenizer, read_metrics, tiny_args
+from tests.helpers import GSM8K_DIR, ROOT, _bpe_tokenizer, read_metrics, tiny_args
 
 quick = pytest.mark.quick  # no process, no training run: the whole of it runs in seconds
 
@@ -382,6 +384,27 @@ def test_buffer_staleness_and_sizes():
     buf.add([traj(0, [1], version=3), traj(1, [2], version=5)])
     assert len(buf) == 2 and buf.num_prompts == 2
     assert sorted(buf.staleness([[buf.items[0][(1,)]], [buf.items[1][(2,)]]], step=7).tolist()) == [2, 4]
+
+
+# -----------------------------------------------------------------------------
+# Copied alone
+
+HIDDEN = ("transformers", "tqdm", "datasets", "peft", "vllm", "safetensors", "config", "models", "buffer", "loss")
+
+
+@quick
+@pytest.mark.parametrize("name,libraries", [("loss.py", ("torch",)), ("buffer.py", ("numpy",))])
+def test_copied_alone_into_an_empty_folder_it_runs_with_torch_and_numpy_only(tmp_path, name, libraries):
+    """loss.py and buffer.py, copied into an empty folder, run their self-checks with every other library and every
+    project module hidden (an import of any of them raises ImportError)."""
+    shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    hidden = [m for m in HIDDEN + ("numpy", "torch") if m not in libraries and m != name[:-3]]
+    code = (f"import sys; sys.modules.update(dict.fromkeys({hidden!r})); import runpy; "
+            f"runpy.run_path({name!r}, run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"{name}: self-check passed" in out.stdout
 
 
 # -----------------------------------------------------------------------------
