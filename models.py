@@ -84,8 +84,8 @@ def encode_prompts(tokenizer, texts):
 
 
 class PromptTokens(dict):
-    """Token ids of a task's prompts by prompt id, each encoded when first asked for (a run uses a fraction of a
-    large training set, and encoding all of it up front delays the first step: 1 s for tiny GSM8K's 20,000)."""
+    """Token ids of a task's prompts by prompt id, each encoded when first asked for: a run uses a fraction of a
+    large training set, and encoding all of it up front delays the first step (docs/LOG.md, start-up)."""
 
     def __init__(self, tokenizer, prompts):
         super().__init__()

@@ -16,8 +16,8 @@ graded by the same `gsm8k_reward` as real GSM8K (last number == gold number afte
 is deliberately imperfect, in a way RL can fix: the SFT "teacher" writes the worked solution only some of
 the time (--tiny-sft-worked-frac) and otherwise a bare answer "#### 18", itself right only
 --tiny-sft-guess-acc of the time. A small model cannot do five operations in its head, so after SFT the
-policy mostly skips the work (greedy decoding always does) and starts low (37.6% for seed 0, 15.4%
-for seed 1, measured); RL shifts probability towards showing the work, which KL-regularised RL (TB's
+policy mostly skips the work (greedy decoding always does) and starts low (the README's results); RL
+shifts probability towards showing the work, which KL-regularised RL (TB's
 target pi_ref * exp(r/beta)) can do because it reweights behaviours the SFT model already has. It is a
 teaching stand-in, not GSM8K.
 
@@ -43,15 +43,13 @@ TINY = dict(
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, max_new_tokens=40,
     batch_size=64, responses_per_prompt=8, micro_batch_prompts=8, micro_batch=64,  # 8 prompts x K = 8
-    # measured here: sampling at temperature 1.0 with lr 5e-5..3e-4 and beta 0.05..0.2 first lifted held-out
-    # accuracy to ~60% and then lost it (too many wrong worked solutions); temperature 0.7 with lr 2e-5 kept it
+    # temperature 0.7 and lr 2e-5: hotter sampling and larger steps lifted held-out accuracy, then lost it to
+    # wrong worked solutions (docs/LOG.md, "Numbers behind the presets")
     lr=2e-5, warmup_steps=20, stable_steps=180, decay_steps=100, lr_floor=0.1, lr_decay="linear",
-    grad_clip=0.0,  # no clipping, as the official code: at k = 16 it did as well as the clip at 1.0 we had tuned
-    # (TB 72.3 against 69.3%, GRPO 87.5 against 86.0%, 4 seeds; docs/results.md, "diagnosed"); at k = 4 TB
-    # 78.4 +- 30.3 against 83.7 +- 8.0% with the clip, a difference one seed makes ("Off-policyness")
+    grad_clip=0.0,  # no clipping, as the official code: it did as well as the clip at 1.0 (docs/results.md)
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,  # constant beta
     sync_every=4, m=0.95, capacity_per_prompt=64,
-    initial_completions=64,  # one batch (official: 500 of 98,000 episodes); 1024 did no better (docs/results.md)
+    initial_completions=64,  # one batch (official: 500 of 98,000 episodes); a larger fill did no better (docs/results.md)
     eval_every=50, eval_size=0, eval_batch_size=100, log_every=10, checkpoint_every=100, searcher_timeout=60.0,
 )
 

@@ -48,11 +48,11 @@ TINY = dict(
     prompts_per_search=1, samples_per_prompt=64,  # one prompt: a search batch is 64 attacks
     temperature=0.5, temperature_max=2.0, loss_temperature=1.0, max_new_tokens=20,  # as the paper preset
     batch_size=64, responses_per_prompt=16, micro_batch_prompts=4, micro_batch=64,  # 4 groups x K = 16
-    # measured here: lr 1e-3 reached 85% by step 100, then drifted to a degenerate attack ("tell me me me ...")
+    # lr 3e-4: a larger one found attacks sooner, then drifted to a degenerate one (docs/LOG.md, "Numbers behind the presets")
     lr=3e-4, warmup_steps=10, stable_steps=190, decay_steps=0, weight_decay=0.0, grad_clip=1.0,
     beta_start=0.1, beta_end=0.1, beta_decay_steps=0,  # constant beta, as Lee et al.
-    # k = 8: a search batch (64 attacks, 320 victim responses) takes the searcher a few trainer steps; with
-    # k = 2 it arrived older than the 2k-1 bound and almost every latest round was empty (all draws replayed)
+    # k = 8: a search batch (64 attacks, 320 victim responses) takes the searcher a few trainer steps, so a
+    # smaller k makes the trainer wait for the searcher at most syncs (docs/LOG.md, "Numbers behind the presets")
     sync_every=8, initial_completions=128, m=0.5, prioritization="softmax", reward_temp=1.0, capacity_per_prompt=1000,
     eval_every=100, eval_size=0, eval_batch_size=256, log_every=10, checkpoint_every=0,
 )

@@ -49,10 +49,10 @@ TINY = dict(
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, loss_temperature=0.7, max_new_tokens=24,
     no_eos_reward=-1.0, batch_size=64, responses_per_prompt=8, micro_batch_prompts=8, micro_batch=64,
-    lr=1e-4, warmup_steps=5, stable_steps=30, decay_steps=15, lr_decay="linear", lr_floor=0.1,  # 2e-4 overshot
+    lr=1e-4, warmup_steps=5, stable_steps=30, decay_steps=15, lr_decay="linear", lr_floor=0.1,  # (docs/LOG.md: 2e-4 overshot)
     grad_clip=1.0,  # (the official trainer does not clip; unclipped TL;DR runs not measured yet)
-    # constant beta: the official schedule's shape (1.0, then 0.05 from step 6) did worse at k = 10 (TB 54.9
-    # against 62.4%, Online DPO 55.8 against 60.7%, RLOO 69.6 against 69.7%; docs/results.md, the frontier)
+    # constant beta: the official schedule's shape (1.0, then 0.05 from step 6) did worse at k = 10
+    # (docs/results.md, the frontier)
     beta_start=0.2, beta_end=0.2, beta_decay_steps=0,
     sync_every=4, initial_completions=256, m=0.5, capacity_per_prompt=64,
     eval_every=10, eval_size=200, eval_batch_size=100, log_every=10,

@@ -204,7 +204,7 @@ def searcher_process(rank, jobs, out_queue, stop_event, pause_event, policy_weig
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
     try:
-        importlib.import_module("transformers.models.auto.modeling_auto")  # (the ~5 s import, done while waiting)
+        importlib.import_module("transformers.models.auto.modeling_auto")  # (the slow import, done while waiting)
         while not stop_event.is_set() and os.getppid() == parent_pid:
             try:
                 job = jobs.get(timeout=0.5)
