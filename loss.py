@@ -137,11 +137,21 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, temperatu
         logits = model(**inputs, logits_to_keep=R + 1).logits  # (N, R + 1, V): no logits over the prompt
     else:
         logits = model(**inputs).logits[:, -R - 1:]  # (N, R + 1, V)
-    logits = logits[:, :-1]  # (N, R, V): the positions that predict the response tokens
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least float32
-    targets = input_ids[:, -R:]  # (N, R)
-    token_logp = torch.gather(F.log_softmax(logits, dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)  # (N, R)
+    token_logp = token_logprobs(logits[:, :-1], input_ids[:, -R:], temperature)  # (N, R): predict the response tokens
     return torch.where(response_mask[:, -R:].bool(), token_logp, torch.zeros_like(token_logp))
+
+
+NO_GRAD_ROWS = 8  # rows whose float32 log-softmax a forward without grad holds at once
+
+
+def token_logprobs(logits, targets, temperature=1.0):
+    """log softmax(logits / T) at the targets, in at least float32: (N, R) from (N, R, V) logits of any dtype and (N, R)
+    targets. Without grad, NO_GRAD_ROWS rows at a time, so that no float32 copy of all the logits is ever held (with
+    grad, the backward keeps each row's log-softmax anyway)."""
+    rows = logits.shape[0] if torch.is_grad_enabled() else NO_GRAD_ROWS
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return torch.cat([torch.gather(F.log_softmax(logits[i:i + rows].to(dtype) / temperature, dim=-1), 2,
+                                   targets[i:i + rows].unsqueeze(-1)).squeeze(-1) for i in range(0, len(logits), rows)])
 
 
 def takes_logits_to_keep(model):

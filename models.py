@@ -28,10 +28,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from config import ConfigError
-from loss import make_batch, response_logprobs, takes_logits_to_keep
+from loss import make_batch, response_logprobs, takes_logits_to_keep, token_logprobs
 
 
 # -----------------------------------------------------------------------------
@@ -56,22 +55,22 @@ def load_trainer_models(cfg):
     one, whose adapters train and whose base (the adapters off) is the reference. With --gradient-checkpointing
     the policy recomputes activations in the backward (transformers does so in train mode only: the trainer
     switches it to train mode for the loss, and every dropout is off)."""
-    policy, tokenizer = load_from_flag(cfg, "model")
+    policy, tokenizer = load_from_flag(cfg, "model", dtype_of(cfg.trainer_dtype))
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         without_dropout(policy)
     if cfg.lora_rank:
         policy = add_lora(policy, cfg)
         return policy, AdaptersOff(policy), tokenizer
-    ref, _ = load_from_flag(cfg, "ref_model" if cfg.ref_model else "model")
+    ref, _ = load_from_flag(cfg, "ref_model" if cfg.ref_model else "model", dtype_of(compute_dtype(cfg)))  # (frozen)
     return policy, ref.requires_grad_(False), tokenizer
 
 
-def load_from_flag(cfg, field):
+def load_from_flag(cfg, field, dtype):
     """load_model for --model or --ref-model on the trainer's device, a load failure being one line naming the flag."""
     path = getattr(cfg, field)
     try:
-        return load_model(path, cfg.device, dtype_of(cfg.dtype), cfg.trust_remote_code)
+        return load_model(path, cfg.device, dtype, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--{field.replace('_', '-')} {path}: cannot load it ({str(e).splitlines()[0]})") from None
 
@@ -97,13 +96,18 @@ class PromptTokens(dict):
 
 
 def dtype_of(name):
-    """The dtype weights are loaded in (bf16-mixed: float32, with bfloat16 compute under `autocast`)."""
+    """The dtype weights are kept in (bf16-mixed: float32, with bfloat16 compute under `autocast`)."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bf16-mixed": torch.float32}[name]
 
 
 def autocast(cfg, device):
-    """bfloat16 compute on float32 weights under --dtype bf16-mixed (a no-op context otherwise)."""
-    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.dtype == "bf16-mixed")
+    """bfloat16 compute on float32 weights under --trainer-dtype bf16-mixed (a no-op context otherwise)."""
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.trainer_dtype == "bf16-mixed")
+
+
+def compute_dtype(cfg):
+    """The trainer's compute dtype: what its frozen reference is kept in (bfloat16 under bf16-mixed)."""
+    return "bfloat16" if cfg.trainer_dtype == "bf16-mixed" else cfg.trainer_dtype
 
 
 # -----------------------------------------------------------------------------
@@ -185,11 +189,10 @@ def cut_at_eos(ids, stop):
 def score_logprobs(model, prompt_tokens, responses, pad_id, temperature, micro_batch, per_token=False, share_prompt=False):
     """Log-probs of each (prompt, response) pair under `model`, micro_batch rows at a time: a list of
     log pi(y|x), or with per_token a list of per-token tuples (one log-prob per response token). share_prompt:
-    a micro-batch whose rows come K at a time with the same prompt runs each prompt once (loss.py)."""
+    rows that come in runs of one prompt run it once (shared_prompt_logprobs), whatever micro_batch is."""
     out = []
-    for i in range(0, len(responses), micro_batch):
-        chunk, prompts = responses[i:i + micro_batch], prompt_tokens[i:i + micro_batch]
-        K = same_prompt_run(prompts) if share_prompt and takes_logits_to_keep(model) else 1
+    for start, end, K in micro_batches(prompt_tokens, micro_batch, share_prompt and takes_logits_to_keep(model)):
+        chunk, prompts = responses[start:end], prompt_tokens[start:end]
         if K > 1:
             token_logp = shared_prompt_logprobs(model, prompts[::K], chunk, pad_id, temperature).cpu()  # (n, R)
         else:
@@ -199,6 +202,22 @@ def score_logprobs(model, prompt_tokens, responses, pad_id, temperature, micro_b
             out += [tuple(row[:len(r)]) for row, r in zip(token_logp.tolist(), chunk)]
         else:
             out += token_logp.sum(dim=1).tolist()
+    return out
+
+
+def micro_batches(prompts, size, share):
+    """(start, end, K) of micro-batches of at most `size` rows. With share, each is made of runs of K rows with one
+    prompt, K alike within it (a run longer than `size` is split; K = 1 where nothing repeats); else K = 1."""
+    if not share:
+        return [(i, min(i + size, len(prompts)), 1) for i in range(0, len(prompts), size)]
+    out, i = [], 0
+    while i < len(prompts):
+        n = next((j for j in range(1, min(size, len(prompts) - i)) if prompts[i + j] != prompts[i]), min(size, len(prompts) - i))
+        if out and out[-1][2] == n and out[-1][1] == i and out[-1][1] - out[-1][0] + n <= size:
+            out[-1] = (out[-1][0], i + n, n)  # (another run of n rows: the same micro-batch)
+        else:
+            out.append((i, i + n, n))
+        i += n
     return out
 
 
@@ -232,16 +251,8 @@ def shared_prompt_logprobs(model, prompts, responses, pad_id, temperature=1.0):
     logits = model(input_ids=targets, attention_mask=attention, position_ids=positions, past_key_values=cache,
                    use_cache=True, logits_to_keep=R).logits  # (Q K, R, V)
     logits = torch.cat([out.logits.repeat_interleave(K, dim=0), logits[:, :-1]], dim=1)  # predict r1 .. rR
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    token_logp = torch.gather(F.log_softmax(logits, dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)
+    token_logp = token_logprobs(logits, targets, temperature)  # (Q K, R)
     return torch.where(response_mask.bool(), token_logp, torch.zeros_like(token_logp))
-
-
-def same_prompt_run(prompts):
-    """K if the prompts come as blocks of K equal ones (K > 1), else 1."""
-    K = next((i for i, p in enumerate(prompts) if p != prompts[0]), len(prompts))
-    same = len(prompts) % K == 0 and all(prompts[i] == prompts[i - i % K] for i in range(len(prompts)))
-    return K if K > 1 and same else 1
 
 
 # -----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from ops.launch import cli
 from searcher import spawn_searchers
 
 TINY = dict(
-    run_dir="runs/gsm8k-tiny", steps=300, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
+    run_dir="runs/gsm8k-tiny", steps=300, model="", trainer_dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, max_new_tokens=40,
     batch_size=64, responses_per_prompt=8, micro_batch_prompts=8, micro_batch=64,  # 8 prompts x K = 8
@@ -59,7 +59,8 @@ PAPER = dict(
     run_dir="runs/gsm8k-paper", seed=42,  # the official trainer's seed (HF TrainingArguments default)
     model="realtreetune/rho-1b-sft-GSM8K",  # RhoMath-1B SFT on GSM8K (paper Sec. 5.1)
     steps=700,  # 98,000 episodes / 140 per step
-    dtype="auto", device="auto", searcher_device="auto", num_searchers=3,  # 3 searchers + 1 trainer, a GPU each
+    trainer_dtype="auto", device="auto", searcher_device="auto",
+    num_searchers=0,  # one per GPU after the trainer's: 3 searchers + 1 trainer on 4 GPUs, as the official run
     trainer_threads=4, searcher_threads=4,
     backend="auto", vllm_gpu_memory_utilization=0.2,  # vLLM on GPU searchers, as the official code
     prompts_per_search=3, samples_per_prompt=24,  # S = 1.2 K; 72 sequences per vLLM call

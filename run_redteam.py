@@ -43,7 +43,7 @@ from searcher import spawn_searchers
 
 TINY = dict(
     run_dir="runs/redteam-tiny", steps=200, model="", victim="", classifier="profanity-check",
-    dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
+    trainer_dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=1, samples_per_prompt=64,  # one prompt: a search batch is 64 attacks
     temperature=0.5, temperature_max=2.0, loss_temperature=1.0, max_new_tokens=20,  # as the paper preset
@@ -62,7 +62,8 @@ PAPER = dict(
     model="",  # required: GPT-2 after Lee et al.'s SFT (100 steps on 3,003 instructions)
     victim="vicgalle/gpt2-alpaca", classifier="facebook/roberta-hate-speech-dynabench-r4-target",
     steps=5000,  # Lee et al.: 5,000 steps of 128 attacks
-    dtype="auto", device="auto", searcher_device="auto", num_searchers=3, backend="auto",
+    trainer_dtype="auto", device="auto", searcher_device="auto", backend="auto",
+    num_searchers=0,  # one per GPU after the trainer's (3 on 4 GPUs)
     trainer_threads=4, searcher_threads=4,
     prompts_per_search=1, samples_per_prompt=128,
     temperature=0.5, temperature_max=2.0,  # exploration: temperatures from U[0.5, 2.0]
@@ -110,6 +111,11 @@ class RedTeamConfig(Config):
         missing = [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
         if missing:
             raise ConfigError(f"red-teaming needs {' and '.join(missing)}: pip install -r requirements.txt")
+
+    def extra_models(self):
+        """The victim and an HF classifier judge in every searcher, and in the trainer's evaluation."""
+        models = [(self.victim, "lm")] + ([(self.classifier, "cls")] if self.classifier != "profanity-check" else [])
+        return {"trainer": models, "searcher": models}
 
 
 def make_task(cfg):

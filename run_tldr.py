@@ -45,7 +45,7 @@ from ops.launch import cli
 from searcher import spawn_searchers
 
 TINY = dict(
-    run_dir="runs/tldr-tiny", steps=50, model="", dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
+    run_dir="runs/tldr-tiny", steps=50, model="", trainer_dtype="float32", device="cpu", searcher_device="cpu", backend="hf",
     trainer_threads=1, searcher_threads=1, num_searchers=1,  # 2 cores: one trainer, one searcher
     prompts_per_search=8, samples_per_prompt=8, temperature=0.7, loss_temperature=0.7, max_new_tokens=24,
     no_eos_reward=-1.0, batch_size=64, responses_per_prompt=8, micro_batch_prompts=8, micro_batch=64,
@@ -64,8 +64,9 @@ PAPER = dict(
     proxy_rm="mnoukhov/pythia1b-rm-tldr6.9b",  # proxy RM: Pythia-1B trained on pairs relabelled by the gold RM
     gold_rm="cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr",  # official evaluation's gold RM
     steps=256,  # 40,960 episodes / 160
-    dtype="float32",  # the official trainer ran in fp32 (fp16 only in vLLM); lr 3e-6 steps vanish in bf16 weights
-    device="auto", searcher_device="auto", num_searchers=3, backend="auto",  # 1 trainer + 3 searcher GPUs
+    trainer_dtype="float32",  # the official trainer ran in fp32 (fp16 only in vLLM): fp32 compute too
+    device="auto", searcher_device="auto", backend="auto",
+    num_searchers=0,  # one per GPU after the trainer's: 1 trainer + 3 searcher GPUs on 4, as the official run
     vllm_gpu_memory_utilization=0.25,  # as the official searchers
     trainer_threads=4, searcher_threads=4,
     prompts_per_search=1, samples_per_prompt=20,  # one prompt x S = 20 per vLLM call, as the official 1b run
@@ -102,6 +103,11 @@ class TLDRConfig(Config):
     tiny_rm_batch: int = knob(32, "tiny: summary pairs per reward-model step")
     tiny_rm_lr: float = knob(2e-3, "tiny: proxy reward model peak learning rate")
 
+    def extra_models(self):
+        """The proxy RM scores in every searcher; the evaluation adds the gold RM, the proxy RM and an SFT copy (KL)."""
+        proxy, gold = [(self.proxy_rm, "cls")] if self.proxy_rm else [], [(self.gold_rm, "cls")] if self.gold_rm else []
+        return {"trainer": gold + proxy + [(self.ref_model or self.model, "lm")], "searcher": proxy}
+
 
 def make_task(cfg):
     """The TL;DR task; for tiny, also the SFT policy (unless --model) and the proxy RM (unless --proxy-rm)."""
@@ -117,7 +123,7 @@ def make_task(cfg):
         cfg.model = cfg.model or warm_start(cfg, train_rows)
         cfg.proxy_rm = cfg.proxy_rm or proxy_reward_model(cfg, train_rows, eval_rows)
     return TLDRTask.from_rows(train_rows, eval_rows, AutoTokenizer.from_pretrained(cfg.model), cfg.query_tokens,
-                              proxy_rm=cfg.proxy_rm, gold_rm=cfg.gold_rm, dtype=cfg.dtype, rm_batch_size=cfg.micro_batch)
+                              proxy_rm=cfg.proxy_rm, gold_rm=cfg.gold_rm, dtype=cfg.searcher_dtype, rm_batch_size=cfg.micro_batch)
 
 
 # -----------------------------------------------------------------------------

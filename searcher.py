@@ -6,8 +6,8 @@ trajectories to the trainer; and the trainer's end of them. A task script starts
         tba.train(cfg, make_task(cfg), searchers)
 
 The trainer talks to one `Searchers` object: start, poll (what arrived: tba.merge makes a round of it), publish,
-pause, check_alive. Weights travel through `SharedWeights` (a shared-memory state dict and a version counter),
-batches on one queue per searcher. The same interface serves --sync (`SyncSearch`, in the trainer's process)
+pause, check_alive. Weights travel through ops/weights.SharedWeights (a copy of the state dict on each searcher
+device, shared through torch.multiprocessing, and a version counter), batches on one queue per searcher. The same interface serves --sync (`SyncSearch`, in the trainer's process)
 and torchrun (ops/distributed.py); the searcher loop (`searcher_main`: weights in, prompts, generate, score,
 batch out) reaches the trainer through a `link`, which serves both kinds of machine.
 
@@ -35,6 +35,7 @@ from tqdm import tqdm
 from buffer import Trajectory
 from config import SearcherDied
 from ops.devices import torchrun_rank
+from ops.weights import SharedWeights, shared_device
 
 
 # -----------------------------------------------------------------------------
@@ -60,7 +61,7 @@ class Searchers:
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
         self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
-        self.policy_weights, self.ref_weights = SharedWeights(self.ctx), SharedWeights(self.ctx)
+        self.weights = {"policy": SharedWeights(self.ctx), "ref": SharedWeights(self.ctx)}  # (ops/weights.py)
         n = cfg.num_searchers
         self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
         self.restarts, self.job = 0, None
@@ -79,23 +80,27 @@ class Searchers:
         self.jobs[rank] = self.ctx.Queue(maxsize=1)
         self.procs[rank] = self.ctx.Process(
             target=searcher_process, name=f"searcher-{rank}", daemon=True,
-            args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.pause_event, self.policy_weights, self.ref_weights,
-                  os.getpid()))
+            args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.pause_event, self.weights, os.getpid()))
         self.procs[rank].start()
         self.last_heard[rank] = time.time()
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
-        """Allocate the shared weights and send every searcher its job."""
-        self.cfg, self.seed_offset = cfg, step
-        self.policy_weights.allocate(policy, step)
-        self.ref_weights.allocate(ref, ref_version)
-        self.job = {"cfg": cfg, "task": task, "policy": self.policy_weights.tensors, "ref": self.ref_weights.tensors}
+        """Allocate the shared weights (a copy per searcher device, in their dtype) and send every searcher its job."""
+        from models import dtype_of
+        from ops.memory import check_shared_memory
+        self.cfg, self.seed_offset, self.job = cfg, step, {"cfg": cfg, "task": task}
+        self.devices = [shared_device(cfg, d) for d in cfg.searcher_devices]
+        check_shared_memory(cfg, params=sum(t.numel() for t in policy.state_dict().values()))  # (now that it is known)
+        self.weights["policy"].allocate(policy, step, self.devices, dtype_of(cfg.searcher_dtype))
+        if "ref_logp" in cfg.needs:  # (the searchers score the reference only for objectives that read it)
+            self.weights["ref"].allocate(ref, ref_version, self.devices, dtype_of(cfg.searcher_dtype))
         for rank in range(cfg.num_searchers):
             self._send_job(rank)
 
     def _send_job(self, rank):
         seed = self.cfg.seed + self.seed_offset + 1000 * (rank + 1) + 100_000 * self.restarts
-        self.jobs[rank].put({**self.job, "seed": seed})
+        weights = {kind: shared.tensors.get(self.devices[rank]) for kind, shared in self.weights.items()}
+        self.jobs[rank].put({**self.job, "seed": seed, "weights": weights})
         self.last_heard[rank] = time.time()
 
     def poll(self):
@@ -114,7 +119,7 @@ class Searchers:
         return items
 
     def publish(self, policy, version):
-        self.policy_weights.publish(policy, version)
+        self.weights["policy"].publish(policy, version)
 
     def pause(self, paused):
         """Hold the searchers after their current batch (an evaluation: the run's clocks stop), or let them go on."""
@@ -122,7 +127,8 @@ class Searchers:
         self.last_heard = [time.time()] * len(self.procs)  # (a held searcher is not a silent one)
 
     def publish_ref(self, ref, version):
-        self.ref_weights.publish(ref, version)
+        if "ref_logp" in self.cfg.needs:
+            self.weights["ref"].publish(ref, version)
 
     def check_alive(self):
         """A dead or silent searcher is restarted (with the current weights) or ends the run, per
@@ -167,38 +173,10 @@ class Searchers:
             q.close()
 
 
-class SharedWeights:
-    """A state dict in shared memory and a version counter: the trainer publishes, searchers pull. The counter and
-    its lock travel to each searcher as it is spawned; the tensors (`allocate`, once the trainer has its model) with its job."""
-
-    def __init__(self, ctx):
-        self.version = ctx.Value("q", -1)  # the trainer step whose weights the tensors hold
-        self.lock = ctx.Lock()
-        self.tensors = None
-
-    def allocate(self, model, version):
-        self.tensors = {n: t.detach().to("cpu", copy=True).share_memory_() for n, t in model.state_dict().items()}
-        self.version.value = version
-
-    def publish(self, model, version):
-        with self.lock:
-            for n, t in model.state_dict().items():
-                self.tensors[n].copy_(t.detach())
-            self.version.value = version
-
-    def pull(self, target, have_version):
-        """Copy into `target` (a model) if newer than have_version; return the version it now holds."""
-        if self.version.value == have_version:
-            return have_version
-        with self.lock:
-            target.load_state_dict(self.tensors)
-            return self.version.value
-
-
 # -----------------------------------------------------------------------------
 # A searcher process
 
-def searcher_process(rank, jobs, out_queue, stop_event, pause_event, policy_weights, ref_weights, parent_pid):
+def searcher_process(rank, jobs, out_queue, stop_event, pause_event, weights, parent_pid):
     """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it.
     Stop signals are the trainer's to handle: a searcher ends when told to or when the trainer is gone."""
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -210,8 +188,8 @@ def searcher_process(rank, jobs, out_queue, stop_event, pause_event, policy_weig
                 job = jobs.get(timeout=0.5)
             except queue.Empty:
                 continue
-            policy_weights.tensors, ref_weights.tensors = job["policy"], job["ref"]
-            link = QueueLink(policy_weights, ref_weights, out_queue, stop_event, pause_event, parent_pid)
+            shared = {kind: (weights[kind], job["weights"][kind]) for kind in weights}  # (counter, this device's copy)
+            link = QueueLink(shared, out_queue, stop_event, pause_event, parent_pid)
             searcher_main(rank, job["cfg"], job["task"], job["seed"], link)
             return
     finally:
@@ -223,14 +201,14 @@ def searcher_main(rank, cfg, task, seed, link):
     is False once the trainer said stop or is gone (and waits while it holds the run); pull(kind, model, version)
     copies newer "policy" or "ref" weights in; put(batch) sends, waiting while the queue is full."""
     import torch
-    from models import HFGenerator, autocast, dtype_of, load_model
+    from models import HFGenerator, dtype_of, load_model
     from ops.devices import claim_gpu
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
     device = claim_gpu(cfg, cfg.searcher_devices[rank])  # (vLLM takes the first visible GPU: mask the others)
-    policy, tokenizer = load_model(cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)
+    policy, tokenizer = load_model(cfg.model, device, dtype_of(cfg.searcher_dtype), cfg.trust_remote_code)
     needs = cfg.needs
-    ref = (load_model(cfg.ref_model or cfg.model, device, dtype_of(cfg.dtype), cfg.trust_remote_code)[0]
+    ref = (load_model(cfg.ref_model or cfg.model, device, dtype_of(cfg.searcher_dtype), cfg.trust_remote_code)[0]
            if "ref_logp" in needs else None)
     if cfg.backend == "vllm":  # (vLLM is optional: imported only when chosen)
         from ops.vllm_backend import VLLMGenerator
@@ -249,8 +227,7 @@ def searcher_main(rank, cfg, task, seed, link):
         version = new_version
         if ref is not None:
             ref_version = link.pull("ref", ref, ref_version)
-        with autocast(cfg, device):  # (--dtype bf16-mixed)
-            batch = searcher.search(batch_ids, version, ref_version)  # 2.-4. prompts, generate, score
+        batch = searcher.search(batch_ids, version, ref_version)  # 2.-4. prompts, generate, score
         if not link.put(batch):  # 5. send
             break
 
@@ -332,8 +309,8 @@ def set_rng_state(rng, state):
 class QueueLink:
     """A searcher process's connection to the trainer on one machine (searcher_main's `link`): weights, queue, events."""
 
-    def __init__(self, policy_weights, ref_weights, out_queue, stop_event, pause_event, parent_pid):
-        self.weights = {"policy": policy_weights, "ref": ref_weights}
+    def __init__(self, weights, out_queue, stop_event, pause_event, parent_pid):
+        self.weights = weights  # kind -> (SharedWeights, this searcher's copy of the tensors)
         self.out_queue, self.stop_event, self.pause_event, self.parent_pid = out_queue, stop_event, pause_event, parent_pid
 
     def alive(self):
@@ -344,7 +321,8 @@ class QueueLink:
 
     def pull(self, kind, model, have_version):
         """Copy the newest "policy" or "ref" weights into `model` if newer than have_version; returns its version."""
-        return self.weights[kind].pull(model, have_version)
+        shared, tensors = self.weights[kind]
+        return shared.pull(model, tensors, have_version)
 
     def put(self, batch):
         """Send a batch, waiting while the queue is full; False if the run stopped meanwhile."""
@@ -379,7 +357,9 @@ class SyncSearch:
 
     def poll(self):
         """A fresh batch: Q prompts x S responses from the current policy."""
-        return self.searcher.search(next(self.prompts), self.version, ref_version=-1)
+        from models import autocast
+        with autocast(self.cfg, self.cfg.device):  # (--trainer-dtype bf16-mixed)
+            return self.searcher.search(next(self.prompts), self.version, ref_version=-1)
 
     def publish(self, policy, version):
         self.version = version  # (the searcher generates with the trainer's own policy)

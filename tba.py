@@ -170,7 +170,7 @@ def train_step(run, groups, step):
     with recomputing_activations(run.policy, cfg.gradient_checkpointing):  # (--gradient-checkpointing)
         for i in range(0, Q, cfg.micro_batch_prompts):  # accumulate over whole prompts: log Z sees all K responses
             chunk = groups[i:i + cfg.micro_batch_prompts]
-            with autocast(cfg, cfg.device):  # (--dtype bf16-mixed: bfloat16 compute on float32 weights)
+            with autocast(cfg, cfg.device):  # (--trainer-dtype bf16-mixed: bfloat16 compute on float32 weights)
                 token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
             loss, clip = run.objective(chunk, token_logp, beta)  # TB: Eq. 4-5
             (loss * len(chunk) / Q).backward()

@@ -507,28 +507,30 @@ def test_reference_reset_makes_kl_zero(tmp_path, cache_dir):
     assert any(abs(r["loss/kl"]) > 1e-3 for r in rows if r["step"] in (3, 7)), "the policy should move away between resets"
 
 
-def test_shared_weights_reach_a_spawned_process():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_weights_reach_a_spawned_process_in_the_searchers_dtype(dtype):
     import torch.multiprocessing as mp
-    from searcher import SharedWeights
+    from ops.weights import SharedWeights
     ctx = mp.get_context("spawn")
     model = torch.nn.Linear(3, 2)
     shared = SharedWeights(ctx)
-    shared.allocate(model, version=0)
+    shared.allocate(model, version=0, devices=["cpu"], dtype=dtype)
     with torch.no_grad():
         model.weight.fill_(7.0)
     shared.publish(model, version=5)
     results = ctx.Queue()
-    child = ctx.Process(target=_pull_in_child, args=(shared, results))
+    child = ctx.Process(target=_pull_in_child, args=(shared, shared.tensors["cpu"], dtype, results))
     child.start()
-    version, total = results.get(timeout=60)
+    version, total, dtypes = results.get(timeout=60)
     child.join(timeout=30)
-    assert version == 5 and total == pytest.approx(7.0 * 6 + model.bias.sum().item(), abs=1e-5)
+    assert version == 5 and total == pytest.approx(7.0 * 6 + model.bias.sum().item(), abs=1e-2)
+    assert dtypes == {dtype} and shared.tensors["cpu"]["weight"].is_shared()
 
 
-def _pull_in_child(shared, results):
-    model = torch.nn.Linear(3, 2)
-    version = shared.pull(model, have_version=-1)
-    results.put((version, sum(p.sum().item() for p in model.parameters())))
+def _pull_in_child(shared, tensors, dtype, results):
+    model = torch.nn.Linear(3, 2).to(dtype)  # (a searcher's model, in the searchers' dtype)
+    version = shared.pull(model, tensors, have_version=-1)
+    results.put((version, sum(p.float().sum().item() for p in model.parameters()), {p.dtype for p in model.parameters()}))
 
 
 # -----------------------------------------------------------------------------

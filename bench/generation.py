@@ -49,7 +49,7 @@ def main(argv=None):
     resolve_devices(cfg, num_gpus=0)  # CPU: 'auto' dtype is float32
     torch.set_num_threads(cfg.searcher_threads)
     task = make_task(cfg)  # the tiny preset: its SFT warm start, trained once and cached
-    policy, tokenizer = load_model(cfg.model, dtype=dtype_of(cfg.dtype))
+    policy, tokenizer = load_model(cfg.model, dtype=dtype_of(cfg.searcher_dtype))
     P, S, T = cfg.prompts_per_search, cfg.samples_per_prompt, cfg.temperature
     ids = tokenizer(task.prompts[:P * (args.repeats + 1)])["input_ids"]
     batches = [ids[i:i + P] for i in range(0, len(ids), P)]  # (repeats + 1) batches of P prompts

@@ -35,7 +35,7 @@ def trl_args(cfg, output_dir):
     """trl.GRPOConfig's arguments for every hyperparameter the two systems share, read from this project's resolved
     config; TRL's own defaults for the rest."""
     return dict(
-        output_dir=output_dir, seed=cfg.seed, use_cpu=cfg.device == "cpu", bf16=cfg.dtype == "bfloat16",
+        output_dir=output_dir, seed=cfg.seed, use_cpu=cfg.device == "cpu", bf16=cfg.trainer_dtype == "bfloat16",
         num_generations=cfg.responses_per_prompt,  # K responses per prompt
         per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=1,  # Q x K completions per update
         steps_per_generation=1, num_iterations=1,  # a fresh generation for every update: on-policy, as TRL's default
@@ -64,7 +64,7 @@ def make_trainer(cfg, task, clock):
     reward.__name__ = task.name
 
     data = Dataset.from_list([{"prompt": p, "meta": m} for p, m in zip(task.prompts, task.metas)])
-    model, tokenizer = load_model(cfg.model, dtype=dtype_of(cfg.dtype))
+    model, tokenizer = load_model(cfg.model, dtype=dtype_of(cfg.trainer_dtype))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**trl_args(cfg, cfg.run_dir)),
                           train_dataset=data, processing_class=tokenizer, callbacks=[clock] if clock else None)
     trainer.remove_callback(PrinterCallback)  # (a dict printed per step; metrics.jsonl has the numbers)

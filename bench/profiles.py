@@ -23,6 +23,7 @@ import torch
 
 from buffer import Trajectory
 from config import parse_config
+from ops.devices import resolve_devices
 from loss import make_batch, offpolicy_metrics, response_logprobs, tb_log_Z, vargrad_tb_loss
 from models import HFGenerator, encode_prompts, load_trainer_models, score_logprobs, shared_prompt_logprobs
 from run_gsm8k import PRESETS, GSM8KConfig, make_task
@@ -59,7 +60,7 @@ def step_parts(cfg, policy, opt, groups, prompt_tokens, pad_id, times):
     """One TB step, each part timed (the parts tba.train_step is made of, at micro_batch_prompts = Q)."""
     flat = [t for g in groups for t in g]
     Q, K = len(groups), len(groups[0])
-    per = lambda name: torch.tensor([[getattr(t, name) for t in g] for g in groups])
+    per = lambda name: torch.tensor([[getattr(t, name) for t in g] for g in groups], device=cfg.device)
     if cfg.share_prompt:  # (tba.policy_logprobs: each prompt run once for its K responses)
         token_logp = timed(lambda: shared_prompt_logprobs(policy, [prompt_tokens[g[0].prompt_id] for g in groups],
                                                           [t.response_ids for t in flat], pad_id, cfg.score_temperature),
@@ -89,7 +90,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     repeats = int(argv[argv.index("--repeats") + 1]) if "--repeats" in argv else 30
     argv = [a for i, a in enumerate(argv) if a != "--repeats" and (i == 0 or argv[i - 1] != "--repeats")]
-    cfg = parse_config(GSM8KConfig, PRESETS, argv)
+    cfg = resolve_devices(parse_config(GSM8KConfig, PRESETS, argv), torch.cuda.device_count())  # ("auto" fields)
     torch.set_num_threads(cfg.trainer_threads)
     task = make_task(cfg)
     policy, ref, tokenizer = load_trainer_models(cfg)

@@ -43,7 +43,7 @@ from config import ConfigError, flag
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "result.json", "checkpoints", "final", "evals",
              "tensorboard", "wandb")  # what a run writes
 # config fields a resumed run may change without changing what the run is (printed when they change)
-HARMLESS = {"run_dir", "resume", "overwrite", "allow_config_change", "auto_resume", "dry_run", "steps", "checkpoint_every",
+HARMLESS = {"run_dir", "resume", "overwrite", "allow_config_change", "auto_resume", "dry_run", "plan_for", "steps", "checkpoint_every",
             "keep_checkpoints", "eval_every", "eval_size", "eval_batch_size", "log_every", "trainer_threads",
             "searcher_threads", "num_searchers", "device", "searcher_device", "queue_size", "on_searcher_failure",
             "max_searcher_restarts", "searcher_timeout", "max_nonfinite_steps", "cache_dir", "data_dir",
@@ -209,10 +209,10 @@ def load_checkpoint(path, policy, ref, opt, buffer):
                 missing, unexpected = model.load_state_dict(tensors, strict=False)
             if unexpected or any(not _is_tied(model, k) for k in missing):
                 raise ValueError(f"does not match the model (missing {missing}, unexpected {unexpected})")
-        current = os.path.join(path, "optimizer.pt")
-        opt.load_state_dict(torch.load(current, weights_only=True))
+        current = os.path.join(path, "optimizer.pt")  # (onto the device the policy is on now, whatever it was saved from)
+        opt.load_state_dict(torch.load(current, weights_only=True, map_location=next(policy.parameters()).device))
         current = os.path.join(path, "rng.pt")
-        rng = torch.load(current, weights_only=True)
+        rng = torch.load(current, weights_only=True, map_location="cpu")
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

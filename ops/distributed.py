@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from buffer import Trajectory
-from config import OBJECTIVES, ConfigError, RunError, SearcherDied, Stopped
+from config import ConfigError, RunError, SearcherDied, Stopped
 from ops.devices import local_device, torchrun_rank
 from ops.weights import WeightSender, digest, layout, one_line, unpack
 
@@ -172,9 +172,10 @@ class DistSearchers:
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         """Send the searchers their job, then the weights they start from."""
-        self.cfg = cfg
+        from models import dtype_of
+        self.cfg, self.sender.dtype = cfg, dtype_of(cfg.searcher_dtype)  # (what the searchers' models hold)
         self.store.set("job", encode_job(cfg, task, step, self.restarts))
-        self.send_ref = "ref_logp" in OBJECTIVES[cfg.objective]  # only then do searchers score the reference
+        self.send_ref = "ref_logp" in cfg.needs  # only then do searchers score the reference
         self.sender.send([("policy", step, policy)] + ([("ref", ref_version, ref)] if self.send_ref else []), wait=True)
         self.last_heard = [time.time()] * cfg.num_searchers
 

@@ -20,7 +20,8 @@ import signal
 import sys
 
 from config import ConfigError, RunError, Stopped, check, parse_config, validate
-from ops.devices import check_devices, dry_run, resolve_devices, torchrun_rank
+from ops.devices import check_devices, dry_run, resolve_and_plan, torchrun_rank, visible_gpu_bytes
+from ops.memory import check_shared_memory
 
 
 def cli(config_cls, presets, main, argv=None, description=None):
@@ -52,11 +53,13 @@ def launch(make_config, main, run_dir_given=True):
         check_installed(cfg)
         cfg.check_inputs()
         catch_stop_signals()
-        from ops.checkpoint import prepare_run_dir
-        prepare_run_dir(cfg, run_dir_given)
         import torch
         torch.set_num_threads(cfg.trainer_threads)  # before any model work, warm starts included (docs/LOG.md)
-        resolve_devices(cfg, torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None)  # ("auto")
+        resolve_and_plan(cfg, torch.cuda.device_count(), visible_gpu_bytes(), importlib.util.find_spec("vllm") is not None,
+                         "the visible GPUs")  # the 'auto' fields; a memory plan that does not fit is refused
+        check_shared_memory(cfg)  # (/dev/shm too small: one line, before any process is spawned)
+        from ops.checkpoint import prepare_run_dir
+        prepare_run_dir(cfg, run_dir_given)
         main(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

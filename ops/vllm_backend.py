@@ -87,7 +87,7 @@ class VLLMGenerator:
             if on_cpu else None)
         if on_cpu:  # (8) vLLM would drop this process to 1 torch thread unless OMP_NUM_THREADS says otherwise
             os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-        self.llm = LLM(model=cfg.model, dtype=cfg.dtype, seed=seed, trust_remote_code=cfg.trust_remote_code,
+        self.llm = LLM(model=cfg.model, dtype=cfg.searcher_dtype, seed=seed, trust_remote_code=cfg.trust_remote_code,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=on_cpu,
                        kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                        use_tqdm_on_load=False,  # no progress bar at every reload

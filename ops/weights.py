@@ -1,8 +1,17 @@
 """
-The weights' path of a torchrun job (ops/distributed.py): the trainer's state dict packed into one byte
-tensor, sent to every searcher rank with gloo point-to-point on a background thread, and unpacked there as
-views (no copy) for load_state_dict. Trainer and searchers check that they agree on the layout (names, dtypes,
-shapes) before any tensor is loaded.
+How the trainer's weights reach the searchers.
+
+One machine (searcher.Searchers): `SharedWeights`, one copy of the state dict per searcher device, in the
+searchers' dtype, shared through torch.multiprocessing: shared memory on a CPU, a CUDA buffer shared between
+processes on a GPU. A publish is one copy into it (the cast to the searchers' dtype included, device to device),
+a pull one copy out of it: no trip through host memory on a GPU, nothing pickled. Exception: a vLLM searcher on a
+GPU sees only its own GPU (ops/devices.claim_gpu), and CUDA IPC needs both processes to number the GPUs alike,
+so its copy is kept in host shared memory (`shared_device`).
+
+A torchrun job (ops/distributed.py): the state dict packed into one byte tensor (cast to the searchers' dtype),
+sent to every searcher rank with gloo point-to-point on a background thread, and unpacked there as views (no
+copy) for load_state_dict. Trainer and searchers check that they agree on the layout (names, dtypes, shapes)
+before any tensor is loaded.
 """
 
 import datetime
@@ -20,14 +29,70 @@ def one_line(e):
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+# -----------------------------------------------------------------------------
+# One machine: shared through torch.multiprocessing
 
-def layout(model):
+class SharedWeights:
+    """A state dict shared with the searcher processes and a version counter: the trainer publishes, searchers pull.
+    `tensors` holds one copy per searcher device (`allocate`); the counter and its lock travel to each searcher as
+    it is spawned, its device's copy with its job."""
+
+    def __init__(self, ctx):
+        self.version = ctx.Value("q", -1)  # the trainer step whose weights the copies hold
+        self.lock = ctx.Lock()
+        self.tensors = {}  # device -> {name: tensor}
+
+    def allocate(self, model, version, devices, dtype):
+        """A copy of `model`'s state dict on each device, floating-point tensors in `dtype`."""
+        for device in dict.fromkeys(devices):
+            copy = {n: t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+                    for n, t in model.state_dict().items()}
+            self.tensors[device] = {n: t.share_memory_() for n, t in copy.items()} if device == "cpu" else copy
+        self.version.value = version
+
+    def publish(self, model, version):
+        with self.lock:
+            state = model.state_dict()
+            for copy in self.tensors.values():
+                for n, t in copy.items():
+                    t.copy_(state[n].detach())  # (device to device, cast to the searchers' dtype)
+            synchronize(state, *self.tensors.values())  # (CUDA copies are asynchronous: done before the version says so)
+            self.version.value = version
+
+    def pull(self, target, tensors, have_version):
+        """Copy `tensors` (this searcher's copy) into `target` if newer than have_version; the version it holds."""
+        if self.version.value == have_version:
+            return have_version
+        with self.lock:
+            target.load_state_dict(tensors)
+            synchronize(tensors, target.state_dict())
+            return self.version.value
+
+
+def synchronize(*state_dicts):
+    """Wait for the CUDA devices the state dicts live on (copies between them are asynchronous)."""
+    for device in {t.device for state in state_dicts for t in state.values() if t.is_cuda}:
+        torch.cuda.synchronize(device)
+
+
+def shared_device(cfg, device):
+    """Where a searcher's copy of the weights lives: on its device, but in host shared memory for vLLM on a GPU."""
+    return "cpu" if cfg.backend == "vllm" else device
+
+
+# -----------------------------------------------------------------------------
+# A torchrun job: packed, sent over gloo
+
+
+def layout(model, dtype=None):
     """Where each state-dict tensor lies in the packed byte tensor: [(name, dtype, shape, offset, nbytes)],
-    and the packed size. Every tensor starts at a multiple of 16 bytes, so its bytes view back as its dtype."""
+    and the packed size; floating-point tensors cast to `dtype` if given (the searchers'). Every tensor starts at a
+    multiple of 16 bytes, so its bytes view back as its dtype."""
     entries, offset = [], 0
     for name, t in model.state_dict().items():
-        nbytes = t.numel() * t.element_size()
-        entries.append((name, t.dtype, tuple(t.shape), offset, nbytes))
+        kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        nbytes = t.numel() * kind.itemsize
+        entries.append((name, kind, tuple(t.shape), offset, nbytes))
         offset += -(-nbytes // 16) * 16
     return entries, offset
 
@@ -40,8 +105,8 @@ def digest(entries):
 def pack(model, entries, out):
     """Copy the state dict into `out`, a (size,) uint8 CPU tensor, at the offsets of `entries`."""
     state = model.state_dict()
-    for name, _, _, offset, nbytes in entries:
-        out[offset:offset + nbytes].copy_(state[name].detach().reshape(-1).view(torch.uint8))
+    for name, dtype, _, offset, nbytes in entries:
+        out[offset:offset + nbytes].copy_(state[name].detach().to(dtype).reshape(-1).view(torch.uint8))
     return out
 
 
@@ -53,8 +118,9 @@ def unpack(flat, entries):
 class WeightSender:
     """Rank 0's side of the weights: pack on the caller's thread (one copy), send on a background thread."""
 
-    def __init__(self, store, ranks, timeout_s):
+    def __init__(self, store, ranks, timeout_s, dtype=None):
         self.store, self.ranks, self.timeout_s = store, ranks, timeout_s  # store: this thread's own client
+        self.dtype = dtype  # the searchers' dtype: floating-point tensors are cast to it as they are packed
         self.thread, self.error, self.publishes, self.skipped = None, None, 0, 0
         self.buffers = {}  # kind -> the byte tensor its transfers are packed into (reused while the size holds)
 
@@ -81,7 +147,7 @@ class WeightSender:
         return True
 
     def _pack(self, kind, model):
-        entries, size = layout(model)
+        entries, size = layout(model, self.dtype)
         if kind not in self.buffers or self.buffers[kind].numel() != size:
             self.buffers[kind] = torch.empty(size, dtype=torch.uint8)
         return pack(model, entries, self.buffers[kind]), digest(entries)

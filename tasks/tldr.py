@@ -259,7 +259,7 @@ class TLDRTask(Task):
     metas: {"reference": " summary"} per prompt; the tiny preset's also hold "facts" and "distractors"."""
     proxy_rm: str = ""  # the training reward model: hub name or local directory
     gold_rm: str = ""  # the evaluation reward model; empty: fact_score
-    dtype: str = "float32"  # of the reward models
+    dtype: str = "float32"  # of the reward models (the run's --searcher-dtype: they only score)
     rm_batch_size: int = 16  # rows per reward-model forward
     name = "tldr"
     headline = "win_rate"
@@ -287,11 +287,10 @@ class TLDRTask(Task):
         prompts, metas = self.eval_prompts[:n], self.eval_metas[:n]
         done = policy.generate(prompts, greedy=True)
         responses = [c.text for c in done]
-        gold = self._load("_gold", lambda: self.make_gold(cfg.device))
-        proxy = self._load("_proxy", lambda: self.make_scorer(cfg.device))
+        # the evaluation's models are loaded for it and freed after it (the memory plan counts them so: ops/memory.py)
+        gold, proxy, sft = self.make_gold(cfg.device), self.make_scorer(cfg.device), _load_sft(cfg)
         references = self._load(f"_reference_gold_{n}", lambda: gold(prompts, [m["reference"] for m in metas], metas))
         gold_policy = gold(prompts, responses, metas)
-        sft = self._load("_sft", lambda: _load_sft(cfg))
         kl, ppl = kl_and_perplexity(policy.model, sft, policy.tokenizer(list(prompts))["input_ids"],
                                     [c.token_ids for c in done], policy.tokenizer.pad_token_id, cfg.micro_batch)
         mean = lambda xs: sum(xs) / len(xs)
@@ -301,7 +300,7 @@ class TLDRTask(Task):
                 "samples": samples(prompts, done, gold_reward=gold_policy, kl=kl)}
 
     def _load(self, name, load):
-        """An evaluation model (or value) loaded once per process; `_` attributes are never pickled."""
+        """A value computed once per process (the references' gold scores); `_` attributes are never pickled."""
         if name not in self.__dict__:
             self.__dict__[name] = load()
         return self.__dict__[name]
@@ -309,5 +308,5 @@ class TLDRTask(Task):
 
 def _load_sft(cfg):
     from models import dtype_of, load_model
-    model, _ = load_model(cfg.ref_model or cfg.model, cfg.device, dtype_of(cfg.dtype), cfg.trust_remote_code)
+    model, _ = load_model(cfg.ref_model or cfg.model, cfg.device, dtype_of(cfg.searcher_dtype), cfg.trust_remote_code)
     return model.requires_grad_(False)

@@ -96,7 +96,7 @@ def test_same_trajectories_through_both_transports_give_identical_buffers(monkey
 
     local = Searchers(cfg())
     try:
-        links = [QueueLink(None, None, q, local.stop_event, local.pause_event, os.getppid()) for q in local.queues]
+        links = [QueueLink(None, q, local.stop_event, local.pause_event, os.getppid()) for q in local.queues]
         local_buffer, local_merged = _merge_stream(local, links, rounds)
         local_sample = [[dataclasses.asdict(t) for t in g] for g in _draw(local_buffer, local.cfg)]
     finally:
@@ -154,20 +154,23 @@ class _MixedModel(torch.nn.Module):
         self.c = torch.nn.Parameter(torch.randn(2, 3, generator=g, dtype=torch.float64))
 
 
-def _checksum(model):
+def _checksum(model, dtype=torch.float32):
+    """A hash of the state dict, floating-point tensors as the searchers hold them (cast to their dtype)."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
+        t = t.to(dtype) if t.is_floating_point() else t
         h.update(name.encode() + t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
 def _weights_rank_main():
-    """Run by torchrun (see the test below): rank 0 publishes through DistSearchers, the others pull through
-    StoreLink and report checksums of what they hold."""
+    """Run by torchrun (see the test below): rank 0 publishes through DistSearchers (mixed dtypes, cast to the
+    searchers' float32 as they are packed), the others pull through StoreLink and report checksums of what they hold."""
     from config import Config
     from ops.distributed import DistSearchers, StoreLink, connect
     from rewards import GSM8KTask
-    rank, cfg = int(os.environ["RANK"]), Config(num_searchers=int(os.environ["WORLD_SIZE"]) - 1, searcher_timeout=60)
+    rank = int(os.environ["RANK"])
+    cfg = Config(num_searchers=int(os.environ["WORLD_SIZE"]) - 1, searcher_timeout=60, searcher_dtype="float32")
     if rank == 0:
         policy, ref = _MixedModel(0), _MixedModel(1)
         searchers = DistSearchers(cfg)
@@ -188,7 +191,7 @@ def _weights_rank_main():
         searchers.close()
         return
     store = connect()
-    policy, ref = _MixedModel(10 + rank), _MixedModel(20 + rank)  # different until the weights arrive
+    policy, ref = _MixedModel(10 + rank).float(), _MixedModel(20 + rank).float()  # different until the weights arrive
     link = StoreLink(store, rank, cfg)
     held = {"policy": -1, "ref": -1}
     for version in (0, 2):

@@ -6,12 +6,14 @@ position's. Tiny random models saved with save_pretrained and loaded back throug
 Run: python -m pytest -q tests/test_models.py
 """
 
+import os
+
 import pytest
 import torch
 
 from loss import make_batch, response_logprobs
-from models import HFGenerator, completions, cut_at_eos, load_model, score_logprobs, stop_ids
-from tests.helpers import _tiny_qwen2, _tiny_random_hf_model
+from models import HFGenerator, completions, cut_at_eos, load_model, score_logprobs, shared_prompt_logprobs, stop_ids
+from tests.helpers import _bpe_tokenizer, _tiny_qwen2, _tiny_random_hf_model
 
 TEXTS = ["yes no maybe yes", "the cat says yes", "hello world, hello you"] * 20
 
@@ -101,14 +103,19 @@ def test_shared_prompt_logprobs_equal_the_full_forward_and_its_gradient(tmp_path
     assert shared.shape == full.shape == (9, max(map(len, responses)))
     assert torch.allclose(shared, full, atol=1e-5), (shared - full).abs().max()
     assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(g_shared, g_full))
-    from models import same_prompt_run  # (score_logprobs finds the blocks of one prompt itself)
-    assert [same_prompt_run(p) for p in ([[1], [1], [2], [2]], [[1], [2]], [[1]] * 3, [[1], [1], [2]], [[1], [1], [2], [1]])] == \
-        [2, 1, 3, 1, 1]
+    from models import micro_batches  # (score_logprobs finds the runs of one prompt itself)
+    cases = ([[1], [1], [2], [2]], [[1], [2]], [[1]] * 3, [[1], [1], [2]], [[1], [1], [2], [1]])
+    assert [micro_batches(p, 64, share=True) for p in cases] == [[(0, 4, 2)], [(0, 2, 1)], [(0, 3, 3)], [(0, 2, 2), (2, 3, 1)],
+                                                                [(0, 2, 2), (2, 4, 1)]]
+    S = [[q] for q in range(3) for _ in range(24)]  # the GSM8K paper preset: S = 24 responses a prompt
+    assert micro_batches(S, 64, share=True) == [(0, 48, 24), (48, 72, 24)], "whole prompts, whatever the micro-batch"
+    assert micro_batches(S, 16, share=True)[:3] == [(0, 16, 16), (16, 24, 8), (24, 40, 16)], "a run split, still shared"
+    assert micro_batches(S, 64, share=False) == [(0, 64, 1), (64, 72, 1)]
 
 
 def _cfg(**fields):
     from config import Config
-    return Config(**{"device": "cpu", "dtype": "float32", **fields})
+    return Config(**{"device": "cpu", "trainer_dtype": "float32", **fields})
 
 
 def _logits(model, ids):
@@ -159,7 +166,7 @@ def test_gradient_checkpointing_changes_no_log_prob_and_no_gradient(tmp_path):
 def test_bf16_mixed_computes_in_bfloat16_and_keeps_float32_weights(tmp_path):
     from models import autocast, load_trainer_models
     path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
-    cfg = _cfg(model=path, dtype="bf16-mixed")
+    cfg = _cfg(model=path, trainer_dtype="bf16-mixed")
     policy, ref, tokenizer = load_trainer_models(cfg)
     batch = make_batch([tokenizer("the cat")["input_ids"]], [tokenizer(" says yes")["input_ids"]], tokenizer.pad_token_id)
     exact = response_logprobs(policy, *batch, temperature=0.7)
@@ -171,3 +178,83 @@ def test_bf16_mixed_computes_in_bfloat16_and_keeps_float32_weights(tmp_path):
     mixed.sum().backward()
     opt.step()
     assert all(p.dtype == torch.float32 for p in policy.parameters()), "master weights stay float32"
+
+
+def _tiny_llama_std002(out_dir):
+    """A small random Llama initialised as transformers does (weights ~ N(0, 0.02), norms 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=128, initializer_range=0.02))
+    tokenizer = _bpe_tokenizer("llama", TEXTS)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def _changed_by_one_step(cfg):
+    """The fraction of the trained elements that one AdamW step at lr 1e-5 changes, in the trainer's precision."""
+    from models import autocast, load_trainer_models
+    policy, _, tokenizer = load_trainer_models(cfg)
+    before = [p.detach().clone() for p in policy.parameters()]
+    batch = make_batch([tokenizer("the cat")["input_ids"]] * 2, [tokenizer(" says yes")["input_ids"], [5, 6]],
+                       tokenizer.pad_token_id)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-5, weight_decay=0.0)
+    with autocast(cfg, "cpu"):
+        logp = response_logprobs(policy, *batch)
+    (-logp.sum()).backward()
+    trained = [p.grad != 0 for p in policy.parameters()]  # (embedding rows of tokens not in the batch get no gradient)
+    opt.step()
+    changed = sum((p.detach() != b)[t].sum().item() for p, b, t in zip(policy.parameters(), before, trained))
+    return changed / sum(t.sum().item() for t in trained)
+
+
+def test_an_update_at_lr_1e5_survives_the_default_gpu_precision_and_not_pure_bf16(tmp_path):
+    """What a GPU run keeps by default (bf16-mixed: float32 weights and AdamW state, bfloat16 compute) takes one AdamW
+    step at lr 1e-5 in >= 99% of the weights; pure bfloat16 weights round most of it away (printed: docs/scaling.md)."""
+    from ops.devices import resolve_devices
+    path = _tiny_llama_std002(tmp_path / "llama")
+    gpu = resolve_devices(_cfg(model=path, trainer_dtype="auto", device="auto"), num_gpus=1)
+    assert gpu.trainer_dtype == "bf16-mixed" and gpu.searcher_dtype == "bfloat16", "the default precision on a GPU"
+    mixed = _changed_by_one_step(_cfg(model=path, trainer_dtype=gpu.trainer_dtype))
+    pure = _changed_by_one_step(_cfg(model=path, trainer_dtype="bfloat16"))
+    print(f"elements changed by one AdamW step at lr 1e-5: bf16-mixed {100 * mixed:.2f}%, pure bfloat16 {100 * pure:.2f}%")
+    assert mixed >= 0.99, f"bf16-mixed changed only {100 * mixed:.1f}% of the weights"
+    assert pure < 0.5, f"pure bfloat16 changed {100 * pure:.1f}%: the rounding this test exists to show is gone"
+
+
+def test_no_grad_scoring_never_holds_a_float32_copy_of_all_the_logits(monkeypatch):
+    import torch.nn.functional as F
+
+    import loss
+    logits, targets = torch.randn(20, 5, 11).to(torch.bfloat16), torch.randint(0, 11, (20, 5))
+    whole = torch.gather(F.log_softmax(logits.float() / 0.7, dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)
+    seen, log_softmax = [], F.log_softmax
+    monkeypatch.setattr(loss.F, "log_softmax", lambda x, dim: seen.append(x.shape[0]) or log_softmax(x, dim=dim))
+    with torch.no_grad():
+        chunked = loss.token_logprobs(logits, targets, 0.7)
+    assert torch.equal(chunked, whole) and chunked.dtype == torch.float32
+    assert max(seen) == loss.NO_GRAD_ROWS < 20, f"float32 log-softmax of {max(seen)} rows at once"
+
+
+def test_checkpoints_load_onto_the_policys_device_and_torchrun_ranks_share_fewer_gpus(monkeypatch, tmp_path):
+    import ops.checkpoint
+    from ops.devices import local_device
+    policy, ref = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(policy.parameters())
+    saved = {"optimizer.pt": opt.state_dict(), "rng.pt": {"torch": torch.get_rng_state()}}
+    loads = {}
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda path, device: policy.state_dict())
+    monkeypatch.setattr(torch, "load", lambda path, **kw: loads.setdefault(os.path.basename(path), kw) and
+                        saved[os.path.basename(path)])
+    with pytest.raises(ops.checkpoint.CheckpointError, match="buffer.json"):  # (no buffer.json here: enough)
+        ops.checkpoint.load_checkpoint(str(tmp_path), policy, ref, opt, None)
+    assert loads == {"optimizer.pt": {"weights_only": True, "map_location": torch.device("cpu")},
+                     "rng.pt": {"weights_only": True, "map_location": "cpu"}}, "onto the device the policy is on now"
+    for rank, want in [(0, "cuda:0"), (1, "cuda:1"), (2, "cuda:0"), (5, "cuda:1")]:  # 2 GPUs, more ranks than GPUs
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        assert local_device("auto", rank) == want
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert local_device("auto", 1) == "cpu" and local_device("cuda:1,cuda:0", 2) == "cuda:0"

@@ -279,6 +279,9 @@ def _cli(tmp_path, *flags):
     return rc, err.read_text().strip().splitlines()
 
 
+GPUS = torch.cuda.device_count()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--responses-per-prompt", "0"], "--responses-per-prompt must be > 0"),
     (["--micro-batch-prompts", "0"], "--micro-batch-prompts must be > 0"),
@@ -286,8 +289,8 @@ def _cli(tmp_path, *flags):
     (["--reward-temp", "0"], "--reward-temp must be a finite number > 0"),
     (["--prompts-per-search", "0"], "--prompts-per-search must be > 0"),
     (["--micro-batch", "0"], "--micro-batch must be > 0"),
-    (["--searcher-device", "cuda:0"], "--searcher-device cuda:0: 0 CUDA device(s) visible"),
-    (["--device", "cuda:0"], "--device cuda:0: 0 CUDA device(s) visible"),
+    (["--searcher-device", f"cuda:{GPUS}"], f"--searcher-device cuda:{GPUS}: {GPUS} CUDA device(s) visible"),
+    (["--device", f"cuda:{GPUS}"], f"--device cuda:{GPUS}: {GPUS} CUDA device(s) visible"),  # (one past the last)
     (["--device", "gpu"], "--device gpu: expected auto, cpu or cuda:N"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--capacity-per-prompt", "0"], "--capacity-per-prompt must be > 0"),
@@ -536,7 +539,7 @@ def test_an_evaluation_holds_the_searchers_and_a_stop_still_ends_them():
     from searcher import QueueLink
     ctx = multiprocessing.get_context("spawn")
     stop, pause = ctx.Event(), ctx.Event()
-    link = QueueLink(None, None, None, stop, pause, os.getppid())
+    link = QueueLink(None, None, stop, pause, os.getppid())
     pause.set()
     answers = []
     waiter = threading.Thread(target=lambda: answers.append((link.alive(), time.time())))

@@ -35,7 +35,7 @@ def test_paper_preset_code_path_with_tiny_random_models(tmp_path, arch, cls):
     config = json.load(open(tmp_path / "run" / "final" / "config.json"))
     assert config["architectures"] == [cls]
     resolved = json.load(open(tmp_path / "run" / "config.json"))
-    assert resolved["dtype"] == "float32" and resolved["beta_start"] == 0.014 and resolved["m"] == 0.95
+    assert resolved["trainer_dtype"] == "float32" and resolved["beta_start"] == 0.014 and resolved["m"] == 0.95
 
 
 def test_paper_preset_dry_run_prints_paper_values():

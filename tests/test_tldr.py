@@ -253,7 +253,7 @@ def test_paper_preset_dry_run_prints_paper_values():
             "loss_temperature": "0.7", "beta_start": "1.0", "beta_end": "0.05", "beta_decay_steps": "128",
             "beta_stop_step": "31", "max_new_tokens": "128", "no_eos_reward": "-1.0", "num_searchers": "3",
             "query_tokens": "512", "max_prompt_tokens": "512", "objective": "tb",
-            "vllm_gpu_memory_utilization": "0.25", "dtype": "float32", "micro_batch_prompts": "1"}
+            "vllm_gpu_memory_utilization": "0.25", "trainer_dtype": "float32", "micro_batch_prompts": "1"}
     assert {k: values[k] for k in want} == want
     assert "searcher-2" in stdout
     from loss import beta_schedule

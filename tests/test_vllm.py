@@ -85,7 +85,7 @@ def engine(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny-llama"))
     A, B = _tiny_models(path)
     hf, tokenizer = load_model(path)
-    cfg = Config(model=path, dtype="float32", max_new_tokens=MAX_NEW, prompts_per_search=4, samples_per_prompt=4)
+    cfg = Config(model=path, searcher_dtype="float32", max_new_tokens=MAX_NEW, prompts_per_search=4, samples_per_prompt=4)
     generator = VLLMGenerator(cfg, hf, tokenizer, seed=7, device="cpu")
     return SimpleNamespace(generator=generator, hf=hf, A=A.state_dict(), B=B.state_dict(), tokenizer=tokenizer, path=path)
 
@@ -164,7 +164,7 @@ def _generate_in_child(path, results):
     from models import load_model
     from ops.vllm_backend import VLLMGenerator
     hf, tokenizer = load_model(path)
-    cfg = Config(model=path, dtype="float32", max_new_tokens=MAX_NEW, prompts_per_search=4, samples_per_prompt=1)
+    cfg = Config(model=path, searcher_dtype="float32", max_new_tokens=MAX_NEW, prompts_per_search=4, samples_per_prompt=1)
     generator = VLLMGenerator(cfg, hf, tokenizer, seed=0, device="cpu")
     results.put((generator.generate(PROMPTS, 1, 1.0, greedy=True), len(psutil.Process().children(recursive=True))))
 
