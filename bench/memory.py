@@ -12,7 +12,11 @@ state (the model's weights were there before).
     + checkpointing   --gradient-checkpointing
     + LoRA            --lora-rank 8 on every linear layer (PEFT): gradients and AdamW state for the adapters only
 
-Run: python -m bench.memory            (CPU, about a minute; prints a markdown table; Linux: /proc)
+The plan's estimate (ops/memory.py: gradients, AdamW state, activations and logits, the part of the trainer's
+estimate a step adds) is checked against the same measurement for two model sizes (`plan_check`, and
+tests/test_bench.py asserts it within 30%).
+
+Run: python -m bench.memory            (CPU, about a minute; prints two markdown tables; Linux: /proc)
 """
 
 import json
@@ -28,7 +32,7 @@ SHAPE = dict(vocab_size=151_936, hidden_size=256, intermediate_size=1024, num_hi
 ROWS, PROMPT, RESPONSE = 8, 512, 64
 
 
-def step(full_logits=False, checkpointing=False, lora=0):
+def step(full_logits=False, checkpointing=False, lora=0, shape=None):
     """One trainer step in this process; returns the peak memory it added and what the process held before (MiB)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -36,7 +40,8 @@ def step(full_logits=False, checkpointing=False, lora=0):
     from models import without_dropout
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).eval()
+    shape = shape or SHAPE
+    model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         without_dropout(model).train()
@@ -49,7 +54,7 @@ def step(full_logits=False, checkpointing=False, lora=0):
                                                                     position_ids=position_ids)
         net.forward = net
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    input_ids = torch.randint(0, SHAPE["vocab_size"], (ROWS, PROMPT + RESPONSE))
+    input_ids = torch.randint(0, shape["vocab_size"], (ROWS, PROMPT + RESPONSE))
     attention_mask = torch.ones_like(input_ids)
     response_mask = torch.zeros_like(input_ids)
     response_mask[:, PROMPT:] = 1
@@ -69,6 +74,38 @@ def resident_mib():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+SIZES = {"small": dict(SHAPE, vocab_size=32_000, hidden_size=128, intermediate_size=512, num_hidden_layers=2),
+         "large": dict(SHAPE, vocab_size=32_000, hidden_size=512, intermediate_size=2048, num_hidden_layers=6)}
+
+
+def measured(shape):
+    """The peak memory (bytes) one step adds, measured in a fresh process (as the table's rows)."""
+    code = f"import json, bench.memory as m; print(json.dumps(m.step(shape={shape!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])[0] * (1 << 20)
+
+
+def estimated(shape):
+    """What ops/memory.py's trainer estimate says such a step adds: gradients, AdamW state, activations and logits."""
+    import types
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from ops.memory import Shape, trainer_estimate
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**shape)).parameters())
+    kv = shape["num_key_value_heads"] * shape["hidden_size"] // shape["num_attention_heads"]
+    cfg = types.SimpleNamespace(trainer_dtype="float32", lora_rank=0, gradient_checkpointing=False, micro_batch_prompts=ROWS,
+                                responses_per_prompt=1, max_prompt_tokens=PROMPT, max_new_tokens=RESPONSE)
+    plan = trainer_estimate(cfg, Shape(params, shape["num_hidden_layers"], shape["hidden_size"],
+                                       shape["intermediate_size"], kv, shape["vocab_size"]), extra=0)
+    return plan["gradients"] + plan["AdamW state"] + plan["activations and logits"]
+
+
+def plan_check():
+    """[(size, measured bytes, estimated bytes)] for SIZES."""
+    return [(name, measured(shape), estimated(shape)) for name, shape in SIZES.items()]
+
+
 def main():
     print(f"one trainer step: {ROWS} rows x ({PROMPT} prompt + {RESPONSE} response) tokens, vocabulary "
           f"{SHAPE['vocab_size']:,}, a random Qwen2 of width {SHAPE['hidden_size']} and {SHAPE['num_hidden_layers']} "
@@ -80,6 +117,12 @@ def main():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         added, held = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {name} | {added:,.0f} | {held:,.0f} |")
+    print(f"\nthe memory plan's estimate of a step (ops/memory.py) against the same measurement, vocabulary 32,000\n")
+    print("| model | measured (MiB) | estimate (MiB) | estimate / measured |")
+    print("|---|---|---|---|")
+    for name, got, guess in plan_check():
+        print(f"| {name}: width {SIZES[name]['hidden_size']}, {SIZES[name]['num_hidden_layers']} layers | "
+              f"{got / (1 << 20):,.0f} | {guess / (1 << 20):,.0f} | {guess / got:.2f} |")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ def test_paper_preset_code_path_with_tiny_random_models(tmp_path, arch, cls):
 
 
 def test_paper_preset_dry_run_prints_paper_values():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--preset", "paper", "--dry-run"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--preset", "paper", "--dry-run",
+                          "--plan-for", "4x80"], capture_output=True, text=True, timeout=60)  # (the paper's 4 A100s)
     assert out.returncode == 0, out.stderr
     values = {k.strip(): v for k, v in (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)}
     # the official GSM8K run (bbartoldson/TBA launch script, config and trainer), value for value
@@ -53,3 +53,44 @@ def test_paper_preset_dry_run_prints_paper_values():
             "loss_temperature": "None", "eval_every": "0", "prompts_per_search": "3", "weight_decay": "0.0"}
     assert {k: values[k].strip() for k in want} == want
     assert "process-to-device plan" in out.stdout and "searcher-2" in out.stdout
+
+
+@pytest.mark.parametrize("script,flags", [("run_gsm8k.py", []), ("run_tldr.py", []), ("run_redteam.py", ["--model", "gpt2"])])
+@pytest.mark.parametrize("machine", ["1x80", "4x80"])
+def test_every_paper_preset_plans_to_fit_one_80gb_gpu_and_its_paper_hardware(script, flags, machine):
+    """The memory plan of each paper preset, as it resolves on one 80 GiB GPU and on four (the paper's): every process's
+    estimate printed, the trainer's precision named, and it fits. (Red-teaming's --model: GPT-2, the SFT's shape.)"""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, script), "--preset", "paper", "--dry-run", "--plan-for",
+                          machine, *flags], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = out.stdout.split("memory plan")[1]
+    n = int(machine[0])
+    assert [line.split(":")[0].strip() for line in plan.splitlines() if " GiB  (" in line] == \
+        ["trainer"] + [f"searcher-{i}" for i in range(max(1, n - 1))], plan
+    precision = "float32" if script == "run_tldr.py" else "float32 weights and AdamW state, bfloat16 compute"
+    assert f"trainer     : cuda:0 ({precision}," in out.stdout
+
+
+def test_a_plan_that_does_not_fit_is_refused_in_one_line():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_tldr.py"), "--preset", "paper", "--dry-run", "--plan-for",
+                          "1x16"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
+    [line] = out.stderr.splitlines()
+    assert line.startswith("error: --plan-for 1x16: cuda:0: trainer, searcher-0 need ") and "of its 16 GiB (trainer: " in line
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "run_redteam.py"), "--preset", "paper", "--model", "gpt2",
+                          "--dry-run", "--plan-for", "1x16"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().endswith("--micro-batch-prompts 1 would make it fit"), out.stderr
+
+
+@pytest.mark.skipif(subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0,
+                    reason="needs a private mount namespace (unshare -m, as root)")
+def test_a_small_dev_shm_is_one_line_before_anything_spawns(tmp_path):
+    """With a 64 KiB /dev/shm (a private mount, this test's alone) the run ends in one line naming /dev/shm, the size
+    needed and the fix, exit 2, with nothing written or spawned."""
+    run = [sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--run-dir", str(tmp_path / "run")]
+    script = "mount -t tmpfs -o size=64k tmpfs /dev/shm && exec " + " ".join(run)
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    [line] = out.stderr.splitlines()
+    assert line.startswith("error: /dev/shm has 0.1 MiB free, and this run's searcher processes need 1.0 MiB there")
+    assert line.endswith("(Docker: docker run --shm-size=1g)") and not os.path.exists(tmp_path / "run")

@@ -232,8 +232,8 @@ def test_paper_preset_needs_an_sft_attacker():
 
 
 def test_paper_preset_dry_run_prints_reference_values():
-    out = subprocess.run([sys.executable, os.path.join(HERE, "run_redteam.py"), "--preset", "paper", "--dry-run"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_redteam.py"), "--preset", "paper", "--dry-run",
+                          "--plan-for", "4x80"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     values = {k.strip(): v.strip() for k, v in (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)}
     want = {"victim": "vicgalle/gpt2-alpaca", "classifier": "facebook/roberta-hate-speech-dynabench-r4-target",

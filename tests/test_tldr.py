@@ -235,7 +235,7 @@ def test_no_eos_penalty_replaces_the_score():
 # End to end: the paper preset's values and code path, the tiny preset
 
 def _dry_run_values(*flags):
-    out = subprocess.run([sys.executable, os.path.join(HERE, "run_tldr.py"), *flags, "--dry-run"],
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run_tldr.py"), *flags, "--dry-run", "--plan-for", "4x80"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     pairs = (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)
