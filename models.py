@@ -100,6 +100,14 @@ def dtype_of(name):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bf16-mixed": torch.float32}[name]
 
 
+def peak_memory(device):
+    """The most memory this process has held: on a GPU, what torch allocated there; on a CPU, its peak resident set."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+
+
 def autocast(cfg, device):
     """bfloat16 compute on float32 weights under --trainer-dtype bf16-mixed (a no-op context otherwise)."""
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.trainer_dtype == "bf16-mixed")

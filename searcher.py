@@ -64,7 +64,7 @@ class Searchers:
         self.weights = {"policy": SharedWeights(self.ctx), "ref": SharedWeights(self.ctx)}  # (ops/weights.py)
         n = cfg.num_searchers
         self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
-        self.restarts, self.job = 0, None
+        self.restarts, self.job, self.publish_s, self.stats = 0, None, 0.0, [{}] * n  # (stats: what each last reported)
         for rank in range(n):
             self._spawn(rank)
 
@@ -110,16 +110,19 @@ class Searchers:
         for rank, q in enumerate(self.queues):
             while True:
                 try:
-                    items += q.get_nowait()
+                    batch = q.get_nowait()
                 except queue.Empty:
                     break
-                self.last_heard[rank] = time.time()
+                items += batch
+                self.last_heard[rank], self.stats[rank] = time.time(), batch.stats
         if not items:
             time.sleep(0.01)
         return items
 
     def publish(self, policy, version):
+        t0 = time.time()
         self.weights["policy"].publish(policy, version)
+        self.publish_s = time.time() - t0
 
     def pause(self, paused):
         """Hold the searchers after their current batch (an evaluation: the run's clocks stop), or let them go on."""
@@ -201,7 +204,7 @@ def searcher_main(rank, cfg, task, seed, link):
     is False once the trainer said stop or is gone (and waits while it holds the run); pull(kind, model, version)
     copies newer "policy" or "ref" weights in; put(batch) sends, waiting while the queue is full."""
     import torch
-    from models import HFGenerator, dtype_of, load_model
+    from models import HFGenerator, dtype_of, load_model, peak_memory
     from ops.devices import claim_gpu
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
@@ -221,15 +224,25 @@ def searcher_main(rank, cfg, task, seed, link):
     for batch_ids in PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed):
         if not link.alive():
             break
+        t0 = time.time()
         new_version = link.pull("policy", policy, version)  # 1. newer weights
         if new_version != version and generator.model is not policy:
             generator.load_state_dict(policy.state_dict())  # the backend's own copy (vLLM's engine)
-        version = new_version
+        pull_s, version = (time.time() - t0 if new_version != version else 0.0), new_version
         if ref is not None:
             ref_version = link.pull("ref", ref, ref_version)
-        batch = searcher.search(batch_ids, version, ref_version)  # 2.-4. prompts, generate, score
+        batch = Batch(searcher.search(batch_ids, version, ref_version), pull_s=pull_s, peak_bytes=peak_memory(device))
         if not link.put(batch):  # 5. send
             break
+
+
+class Batch(list):
+    """A searcher's batch of Trajectories, and what the searcher measured (`stats`: its last pull's seconds, its peak
+    memory), which the trainer logs."""
+
+    def __init__(self, items, **stats):
+        super().__init__(items)
+        self.stats = stats
 
 
 class Searcher:
@@ -343,7 +356,7 @@ class SyncSearch:
     fresh batch of Q prompts x S responses with the trainer's own policy, which becomes the buffer's latest round;
     --sync sets k = 1 and m = 1 (config.parse_config), so every step trains on exactly that batch. Nothing runs
     beside the trainer: there is nothing to hold, check or stop, and the trainer scores the reference itself."""
-    restarts = 0
+    restarts, publish_s, stats = 0, 0.0, []
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from buffer import InconsistentBuffer, ReplayBuffer
 from config import LAUNCHED, ConfigError, RunError, SearcherDied, Stopped
-from models import EvalPolicy, autocast, save_model
+from models import EvalPolicy, autocast, peak_memory, save_model
 from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
 from ops.metrics import Meter, Tracker, format_line
 
@@ -162,7 +162,7 @@ class Bookkeeping:
             "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": run.ref_version,
             "searcher/version": c.searcher_version, "searcher/restarts": run.searchers.restarts,
             **staleness_stats(groups, step, run.buffer), **self.meter.rates(started=step > run.start),
-            "time/step": time.time() - self.t_step, **self.meter.times()})
+            "time/step": time.time() - self.t_step, **self.meter.times(), **process_stats(run)})
         self.tracker.log(record)
         if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
             tqdm.write(format_line(record))
@@ -247,6 +247,15 @@ class Bookkeeping:
             self.counters = Counters(**{f.name: state[f.name] for f in dataclasses.fields(Counters)})
             return state["searchers"]
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there could be read")
+
+
+def process_stats(run):
+    """The weights' trips and each process's peak memory: the last publish, the searchers' last pulls (what each
+    reported with its last batch), the trainer's and the largest searcher's peak memory (GiB)."""
+    stats = [s for s in run.searchers.stats if s]
+    return {"time/publish": run.searchers.publish_s, "time/pull": max((s["pull_s"] for s in stats), default=math.nan),
+            "memory/trainer_gb": peak_memory(run.cfg.device) / 2 ** 30,
+            "memory/searcher_gb": max((s["peak_bytes"] for s in stats), default=math.nan) / 2 ** 30}
 
 
 def headline_text(task, value):

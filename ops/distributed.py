@@ -139,12 +139,15 @@ TRAJECTORY_FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
 
 def encode_batch(batch):
     """A searcher's batch as JSON text: per Trajectory the record buffer.json keeps (Python's JSON writes
-    NaN for a log-prob left to the trainer, and floats round-trip exactly)."""
-    return json.dumps([{f: getattr(t, f) for f in TRAJECTORY_FIELDS} for t in batch])  # (asdict would deep-copy every id)
+    NaN for a log-prob left to the trainer, and floats round-trip exactly), and the searcher's stats."""
+    return json.dumps({"items": [{f: getattr(t, f) for f in TRAJECTORY_FIELDS} for t in batch],  # (asdict: deep copies)
+                       "stats": getattr(batch, "stats", {})})
 
 
 def decode_batch(text):
-    return [Trajectory(**{**r, "response_ids": tuple(r["response_ids"])}) for r in json.loads(text)]
+    """(the Trajectories, the searcher's stats) of encode_batch's text."""
+    batch = json.loads(text)
+    return [Trajectory(**{**r, "response_ids": tuple(r["response_ids"])}) for r in batch["items"]], batch["stats"]
 
 
 # -----------------------------------------------------------------------------
@@ -163,6 +166,7 @@ class DistSearchers:
         self.failed, self.closed, self.send_ref = False, False, False
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
         self.last_heard = [time.time()] * cfg.num_searchers
+        self.publish_s, self.stats = 0.0, [{}] * cfg.num_searchers  # (what each searcher last reported)
 
     def __enter__(self):
         return self
@@ -185,16 +189,19 @@ class DistSearchers:
         for i, rank in enumerate(self.ranks):
             while True:
                 try:
-                    items += decode_batch(self.store.queue_pop(f"traj/{rank}", block=False))
+                    batch, self.stats[i] = decode_batch(self.store.queue_pop(f"traj/{rank}", block=False))
                 except dist.QueueEmptyError:
                     break
+                items += batch
                 self.last_heard[i] = time.time()
         if not items:
             time.sleep(0.01)
         return items
 
     def publish(self, policy, version):
+        t0 = time.time()
         self.sender.send([("policy", version, policy)])  # skipped while the previous transfer is in flight
+        self.publish_s = time.time() - t0  # (packing: the transfer runs on a background thread)
 
     def publish_ref(self, ref, version):
         if self.send_ref:

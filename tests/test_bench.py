@@ -170,3 +170,24 @@ def test_the_memory_plan_estimates_a_steps_peak_within_30_percent():
     for name, measured, estimated in checks:
         assert abs(estimated / measured - 1) < 0.3, f"{name}: estimate {estimated / 2**20:.0f} MiB, measured {measured / 2**20:.0f}"
     assert checks[1][1] > 4 * checks[0][1], "two sizes that differ"
+
+
+def test_bench_gpu_prints_its_table_on_a_cpu_at_small_shapes():
+    """python -m bench.gpu on this machine: a short async run of each paper architecture (small shapes, real
+    vocabularies) and one table row each, with numbers in every column a CPU can measure."""
+    import os
+    import subprocess
+    import sys
+    from bench.gpu import SHAPES
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "bench.gpu"], cwd=root, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    columns, rows = lines[0][2:-2].split(" | "), [dict(zip(lines[0][2:-2].split(" | "), l[2:-2].split(" | "))) for l in lines[1:]]
+    assert [r["architecture"] for r in rows] == list(SHAPES) and "MFU" in columns
+    for r in rows:
+        assert float(r["trainer step (s)"]) > 0 and float(r["searcher tokens/s"]) > 0 and float(r["publish (ms)"]) > 0
+        assert r["MFU"] == r["bandwidth bound"] == "n/a", "no card on a CPU"
+        for process in ("trainer", "searcher"):
+            peak, estimate = map(float, r[f"{process} peak / plan (GiB)"].split(" / "))
+            assert peak > 0 and estimate > 0
