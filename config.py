@@ -36,7 +36,9 @@ SECTIONS = ("TBA (the paper's knobs)", "model and sampling", "trainer", "evaluat
 
 
 def knob(default, doc, section="task"):
-    """A config field with its one-line documentation and its --help section."""
+    """A config field with its one-line documentation and its --help section (a list: a flag given once or more)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": doc, "section": section})
     return field(default=default, metadata={"doc": doc, "section": section})
 
 
@@ -292,12 +294,26 @@ def build_parser(config_cls, defaults, description=None):
         kind = hints[f.name]
         optional = typing.get_origin(kind) is typing.Union
         base = [a for a in typing.get_args(kind) if a is not type(None)][0] if optional else kind
-        kwargs = dict(default=defaults.get(f.name, f.default), help=f.metadata["doc"])
+        default = defaults.get(f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        kwargs = dict(default=default, help=f.metadata["doc"])
         if base is bool:
             groups[section].add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(base) is list:
+            item = typing.get_args(base)[0]
+            groups[section].add_argument(flag(f.name), type=_parse_as(item, False), nargs="+", action=_Values,
+                                         metavar=item.__name__.upper(), **kwargs)
         else:
             groups[section].add_argument(flag(f.name), type=_parse_as(base, optional), metavar=base.__name__.upper(), **kwargs)
     return parser
+
+
+class _Values(argparse.Action):
+    """A list field's flag: --flag A B, or --flag A --flag B, the values in order, in place of the default."""
+    given = False
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (getattr(namespace, self.dest) if self.given else []) + list(values))
+        self.given = True
 
 
 def _parse_as(base, optional):

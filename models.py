@@ -60,6 +60,7 @@ def load_trainer_models(cfg):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         without_dropout(policy)
     if cfg.lora_rank:
+        from ops.lora import AdaptersOff, add_lora
         policy = add_lora(policy, cfg)
         return policy, AdaptersOff(policy), tokenizer
     ref, _ = load_from_flag(cfg, "ref_model" if cfg.ref_model else "model", dtype_of(compute_dtype(cfg)))  # (frozen)
@@ -98,14 +99,6 @@ class PromptTokens(dict):
 def dtype_of(name):
     """The dtype weights are kept in (bf16-mixed: float32, with bfloat16 compute under `autocast`)."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bf16-mixed": torch.float32}[name]
-
-
-def peak_memory(device):
-    """The most memory this process has held: on a GPU, what torch allocated there; on a CPU, its peak resident set."""
-    if str(device).startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
 
 
 def autocast(cfg, device):
@@ -276,8 +269,8 @@ class Completion:
 class EvalPolicy:
     """The trained policy and its reference, text in and out: what `Task.evaluate` works with."""
 
-    def __init__(self, cfg, model, ref, tokenizer):
-        self.cfg, self.model, self.ref, self.tokenizer = cfg, model, ref, tokenizer
+    def __init__(self, cfg, model, ref, tokenizer, step=0):
+        self.cfg, self.model, self.ref, self.tokenizer, self.step = cfg, model, ref, tokenizer, step  # (after `step` steps)
         self.generator = HFGenerator(model, tokenizer, cfg.max_new_tokens)
 
     def generate(self, prompts, n=1, temperature=1.0, greedy=False):
@@ -304,7 +297,7 @@ def completions(tokenizer, responses, stop=None):
 
 
 # -----------------------------------------------------------------------------
-# Memory: gradient checkpointing and LoRA
+# Memory: gradient checkpointing (LoRA: ops/lora.py)
 
 def without_dropout(model):
     """Every dropout off (nn.Dropout modules, and the dropout rates attention layers keep as floats), so that
@@ -327,93 +320,3 @@ def recomputing_activations(model, on):
         yield
     finally:
         model.eval()
-
-
-def add_lora(model, cfg):
-    """LoRA adapters on every linear layer (or --lora-target-modules) through PEFT: only they train."""
-    from peft import LoraConfig, get_peft_model
-    targets = "all-linear" if cfg.lora_target_modules == "all-linear" else cfg.lora_target_modules.split(",")
-    return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                            target_modules=targets, task_type="CAUSAL_LM"))
-
-
-def is_lora(model):
-    return hasattr(model, "peft_config")
-
-
-@torch.no_grad()
-def plain_state_dict(model, merged=True):
-    """The weights under the plain model's names (what a searcher's model and from_pretrained expect): a LoRA
-    model's base weights, with the adapters' W + B A merged in (merged=True) or not (the reference)."""
-    if not is_lora(model):
-        return model.state_dict()
-    from peft.tuners.lora import LoraLayer
-    base = model.get_base_model()
-    deltas = {f"{name}.weight": m.get_delta_weight(m.active_adapters[0]) for name, m in base.named_modules()
-              if isinstance(m, LoraLayer)} if merged else {}
-    plain = {}
-    for key, value in base.state_dict().items():
-        if "lora_" not in key:
-            key = key.replace(".base_layer", "")
-            plain[key] = value + deltas[key] if key in deltas else value
-    return plain
-
-
-class Merged:
-    """What the searchers receive of a LoRA policy: its merged weights under the plain names (`state_dict`)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def state_dict(self):
-        return plain_state_dict(self.model)
-
-
-def for_searchers(policy):
-    return Merged(policy) if is_lora(policy) else policy
-
-
-def save_model(model, path):
-    """save_pretrained, a LoRA model merged: a directory AutoModelForCausalLM.from_pretrained loads."""
-    if is_lora(model):
-        model.get_base_model().save_pretrained(path, state_dict=plain_state_dict(model))
-    else:
-        model.save_pretrained(path)
-
-
-class AdaptersOff:
-    """The reference of a LoRA run: the policy with its adapters disabled, so no second copy of the model. It has
-    what the trainer, the searchers and checkpoints ask of a reference."""
-
-    def __init__(self, model):
-        self.model, self.config = model, model.get_base_model().config
-
-    def forward(self, input_ids, logits_to_keep=0, **inputs):
-        with self.model.disable_adapter():
-            return self.model(input_ids=input_ids, logits_to_keep=logits_to_keep, **inputs)
-
-    __call__ = forward
-
-    @property
-    def device(self):
-        return self.model.device
-
-    def parameters(self):
-        return (p for name, p in self.model.named_parameters() if "lora_" not in name)
-
-    def state_dict(self):
-        return plain_state_dict(self.model, merged=False)
-
-    def load_state_dict(self, tensors, strict=True):
-        """Copy plain-named weights into the base weights; returns (missing, unexpected) like torch's."""
-        own = self.state_dict()
-        with torch.no_grad():
-            for key in own.keys() & tensors.keys():
-                own[key].copy_(tensors[key])
-        return sorted(own.keys() - tensors.keys()), sorted(tensors.keys() - own.keys())
-
-    def save_pretrained(self, path):
-        self.model.get_base_model().save_pretrained(path, state_dict=self.state_dict())
-
-    def requires_grad_(self, flag):
-        return self  # the base weights of a PEFT model are frozen already

@@ -149,7 +149,10 @@ class Task:
       percent                   True: the headline is a fraction, printed as a percentage
       make_scorer(device)       called once in each process that scores (every searcher; the trainer for
                                 --sync and evaluation): loads whatever the reward needs and returns a batched
-                                score(prompts, completions, metas) -> list[float], completions being texts
+                                score(prompts, completions, metas, **context) -> list[float], completions being
+                                texts; context: completion_ids (their token ids), step (the trainer step whose
+                                weights generated them), log ({"metrics": {}, "extra": {}}: what the scorer
+                                wants logged, tasks/dataset.py); a reward of NaN skips the completion
       evaluate(policy, n)       every eval metric of `policy` (a models.EvalPolicy: generate and score
                                 log-probs) on the first n held-out prompts, as a dict of numbers; the dict may
                                 also hold an "example" completion (a string) for the log and "samples" (a
@@ -198,13 +201,16 @@ def drop_long_prompts(task, tokenizer, max_tokens):
 
 
 def greedy_evaluation(policy, prompts, metas, score, name):
-    """Greedy completions of held-out prompts scored by `score(prompts, texts, metas)`: their mean (as `name`),
-    their mean length, an example and the samples."""
-    completions = policy.generate(prompts, greedy=True)
-    rewards = score(prompts, [c.text for c in completions], metas)
-    return {name: sum(rewards) / len(rewards),
+    """Greedy completions of held-out prompts scored by `score`: their mean (as `name`; NaN scores, unscored, left
+    out), their mean length, the scorer's logged metrics, an example and the samples (with its logged columns)."""
+    completions, log = policy.generate(prompts, greedy=True), {"metrics": {}, "extra": {}}
+    rewards = score(prompts, [c.text for c in completions], metas, completion_ids=[list(c.token_ids) for c in completions],
+                    step=policy.step, log=log)
+    scored = [r for r in rewards if not math.isnan(r)]
+    return {name: sum(scored) / len(scored) if scored else math.nan,
+            **{k: sum(v) / len(v) for k, v in log["metrics"].items()},
             "response_tokens": sum(len(c.token_ids) for c in completions) / len(completions),
-            "example": completions[0].text, "samples": samples(prompts, completions, reward=rewards)}
+            "example": completions[0].text, "samples": samples(prompts, completions, reward=rewards, **log["extra"])}
 
 
 def samples(prompts, completions, **scores):
@@ -213,7 +219,7 @@ def samples(prompts, completions, **scores):
             for i, (p, c) in enumerate(zip(prompts, completions))]
 
 
-def gsm8k_score(prompts, completions, metas):
+def gsm8k_score(prompts, completions, metas, **context):
     """The batched GSM8K scorer: gsm8k_reward of each completion against its prompt's answer field."""
     return [gsm8k_reward(c, m["answer"]) for c, m in zip(completions, metas)]
 

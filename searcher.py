@@ -64,7 +64,8 @@ class Searchers:
         self.weights = {"policy": SharedWeights(self.ctx), "ref": SharedWeights(self.ctx)}  # (ops/weights.py)
         n = cfg.num_searchers
         self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
-        self.restarts, self.job, self.publish_s, self.stats = 0, None, 0.0, [{}] * n  # (stats: what each last reported)
+        self.restarts, self.job, self.publish_s = 0, None, 0.0
+        self.stats, self.reports = [{}] * n, []  # what each searcher last reported; every report since the last merge
         for rank in range(n):
             self._spawn(rank)
 
@@ -115,6 +116,7 @@ class Searchers:
                     break
                 items += batch
                 self.last_heard[rank], self.stats[rank] = time.time(), batch.stats
+                self.reports.append(batch.stats)
         if not items:
             time.sleep(0.01)
         return items
@@ -204,7 +206,8 @@ def searcher_main(rank, cfg, task, seed, link):
     is False once the trainer said stop or is gone (and waits while it holds the run); pull(kind, model, version)
     copies newer "policy" or "ref" weights in; put(batch) sends, waiting while the queue is full."""
     import torch
-    from models import HFGenerator, dtype_of, load_model, peak_memory
+    from models import HFGenerator, dtype_of, load_model
+    from ops.memory import peak_memory
     from ops.devices import claim_gpu
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
@@ -231,14 +234,14 @@ def searcher_main(rank, cfg, task, seed, link):
         pull_s, version = (time.time() - t0 if new_version != version else 0.0), new_version
         if ref is not None:
             ref_version = link.pull("ref", ref, ref_version)
-        batch = Batch(searcher.search(batch_ids, version, ref_version), pull_s=pull_s, peak_bytes=peak_memory(device))
+        batch = Batch(searcher.search(batch_ids, version, ref_version), pull_s=pull_s, peak_bytes=peak_memory(device),
+                      reward_metrics=searcher.log["metrics"], unscored=searcher.unscored)
         if not link.put(batch):  # 5. send
             break
 
 
 class Batch(list):
-    """A searcher's batch of Trajectories, and what the searcher measured (`stats`: its last pull's seconds, its peak
-    memory), which the trainer logs."""
+    """A batch of Trajectories and the searcher's report (`stats`: pull seconds, peak memory, the reward's logs)."""
 
     def __init__(self, items, **stats):
         super().__init__(items)
@@ -270,8 +273,10 @@ class Searcher:
                                                     cfg.score_temperature)  # behaviour log-probs: no extra forward
         ids = [q for q in batch_ids for _ in range(S)]
         done = completions(self.tokenizer, responses, self.generator.stop_ids)
-        rewards = self.scorer([self.task.prompts[q] for q in ids], [c.text for c in done],
-                              [self.task.metas[q] for q in ids])
+        self.log = {"metrics": {}, "extra": {}}  # (what the scorer logs: the batch's report carries its metrics)
+        rewards = self.scorer([self.task.prompts[q] for q in ids], [c.text for c in done], [self.task.metas[q] for q in ids],
+                              completion_ids=[list(c.token_ids) for c in done], step=policy_version, log=self.log)
+        self.unscored = sum(math.isnan(r) for r in rewards)  # (a NaN reward: nothing scored it; the batch drops it)
         if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
             rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
         prompts, pad = [self.prompt_tokens[q] for q in ids], self.tokenizer.pad_token_id
@@ -285,7 +290,7 @@ class Searcher:
         return [Trajectory(prompt_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
                            behavior_logp=math.fsum(b) if b else math.nan, ref_logp=float(lr), ref_version=ref_version,
                            behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (memory: GRPO only)
-                for q, r, rw, b, lr in zip(ids, responses, rewards, behavior, ref_logp)]
+                for q, r, rw, b, lr in zip(ids, responses, rewards, behavior, ref_logp) if not math.isnan(rw)]
 
 
 class PromptSampler:
@@ -359,7 +364,7 @@ class SyncSearch:
     restarts, publish_s, stats = 0, 0.0, []
 
     def __init__(self, cfg):
-        self.cfg = cfg
+        self.cfg, self.reports = cfg, []
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         from models import HFGenerator
@@ -372,7 +377,9 @@ class SyncSearch:
         """A fresh batch: Q prompts x S responses from the current policy."""
         from models import autocast
         with autocast(self.cfg, self.cfg.device):  # (--trainer-dtype bf16-mixed)
-            return self.searcher.search(next(self.prompts), self.version, ref_version=-1)
+            batch = self.searcher.search(next(self.prompts), self.version, ref_version=-1)
+        self.reports.append({"reward_metrics": self.searcher.log["metrics"], "unscored": self.searcher.unscored})
+        return batch
 
     def publish(self, policy, version):
         self.version = version  # (the searcher generates with the trainer's own policy)

@@ -46,9 +46,10 @@ from buffer import ReplayBuffer
 from config import Config, save_config
 from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, takes_logits_to_keep, tb_log_Z,
                   tb_trust_region_loss, vargrad_tb_loss, wsd_schedule)
-from models import (PromptTokens, autocast, for_searchers, load_trainer_models, recomputing_activations, score_logprobs,
+from models import (PromptTokens, autocast, load_trainer_models, recomputing_activations, score_logprobs,
                     shared_prompt_logprobs)
 from ops.bookkeeping import Bookkeeping
+from ops.lora import for_searchers
 from rewards import Task, drop_long_prompts
 
 

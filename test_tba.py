@@ -541,7 +541,7 @@ class _GoldPolicy:
     """A stand-in policy that 'generates' the gold solution of each prompt, through a real tokenizer."""
 
     def __init__(self, tokenizer, solutions):
-        self.tokenizer, self.solutions = tokenizer, solutions
+        self.tokenizer, self.solutions, self.step = tokenizer, solutions, 0
 
     def generate(self, prompts, n=1, temperature=1.0, greedy=False):
         from models import completions

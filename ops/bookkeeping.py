@@ -32,7 +32,9 @@ from tqdm import tqdm
 
 from buffer import InconsistentBuffer, ReplayBuffer
 from config import LAUNCHED, ConfigError, RunError, SearcherDied, Stopped
-from models import EvalPolicy, autocast, peak_memory, save_model
+from models import EvalPolicy, autocast
+from ops.lora import save_model
+from ops.memory import peak_memory
 from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
 from ops.metrics import Meter, Tracker, format_line
 
@@ -67,6 +69,7 @@ class Bookkeeping:
         self.step, self.requested, self.t_step, self.t_merged = run.start, 0, time.time(), time.time()
         self.t_wait, self.waited, self.fill_bar = None, 0.0, None  # the merge's wait for the searchers
         self.new_round = None  # whether this step's merge formed a new round (None: no merge)
+        self.reward_log, self.warned_unscored = {}, False  # what the searchers' rewards logged since the last merge
 
     # -- stop signals, and a checkpoint on the way out
 
@@ -105,7 +108,7 @@ class Bookkeeping:
         if step == self.run.start or (self.cfg.eval_every and step % self.cfg.eval_every == 0):
             record.update(self.evaluate(step))  # (the first overlaps with the searchers' start-up and initial fill)
         self.t_merge = self.t_merged = time.time()  # (a step without a merge: time/merge and time/wait are 0)
-        self.waited, self.new_round = 0.0, None
+        self.waited, self.new_round, self.reward_log = 0.0, None, {}
         return record
 
     def wait_for_searchers(self, have, need):
@@ -144,6 +147,12 @@ class Bookkeeping:
         if items:
             c.fresh_reward = float(np.mean([t.reward for t in items]))
             c.searcher_version = max(c.searcher_version, max(t.policy_version for t in items))
+        self.reward_log = reward_reports(run.searchers.reports)
+        run.searchers.reports.clear()
+        if self.reward_log.get("reward/unscored") and not self.warned_unscored:
+            self.warned_unscored = True
+            tqdm.write(f"warning: {self.reward_log['reward/unscored']} completions that every reward scored None were "
+                       f"skipped at step {step} (metrics: reward/unscored)")
 
     def log(self, record, groups, step):
         """Complete the step's record, guard against non-finite steps, write it, print it every log_every steps."""
@@ -162,7 +171,7 @@ class Bookkeeping:
             "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": run.ref_version,
             "searcher/version": c.searcher_version, "searcher/restarts": run.searchers.restarts,
             **staleness_stats(groups, step, run.buffer), **self.meter.rates(started=step > run.start),
-            "time/step": time.time() - self.t_step, **self.meter.times(), **process_stats(run)})
+            "time/step": time.time() - self.t_step, **self.meter.times(), **process_stats(run), **self.reward_log})
         self.tracker.log(record)
         if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
             tqdm.write(format_line(record))
@@ -179,7 +188,7 @@ class Bookkeeping:
         n = self.cfg.eval_size or len(run.task.eval_prompts)
         run.searchers.pause(True)  # the searchers wait too: the clocks stop for the whole run, not the trainer alone
         with autocast(self.cfg, self.cfg.device):
-            metrics = run.task.evaluate(EvalPolicy(self.cfg, run.policy, run.ref, run.tokenizer), n)
+            metrics = run.task.evaluate(EvalPolicy(self.cfg, run.policy, run.ref, run.tokenizer, step), n)
         run.searchers.pause(False)
         example = metrics.pop("example", None)
         self.tracker.samples(step, metrics.pop("samples", []))
@@ -247,6 +256,17 @@ class Bookkeeping:
             self.counters = Counters(**{f.name: state[f.name] for f in dataclasses.fields(Counters)})
             return state["searchers"]
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there could be read")
+
+
+def reward_reports(reports):
+    """What the searchers' batches reported of their rewards: the mean of each logged metric (reward/NAME) and how
+    many completions no reward scored (reward/unscored); empty when they report nothing."""
+    metrics = {}
+    for report in reports:
+        for name, values in report.get("reward_metrics", {}).items():
+            metrics.setdefault(f"reward/{name}", []).extend(values)
+    unscored = sum(report.get("unscored", 0) for report in reports)
+    return {**{k: float(np.mean(v)) for k, v in metrics.items()}, **({"reward/unscored": unscored} if unscored else {})}
 
 
 def process_stats(run):

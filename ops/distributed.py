@@ -24,12 +24,10 @@ The transport, all public torch.distributed API, nothing pickled:
                 searcher's thread does so within 50 ms, and the searcher exits 0 after its batch, without
                 another store call (rank 0 may already be gone, and with it the store).
 
-Why announce on the store instead of sending a small header over gloo first: a gloo receive cannot be
-polled, and a gloo wait that times out breaks the process group. A searcher waiting for a gloo header would
-sit in one wait for the whole gap between two publishes (an evaluation, a checkpoint, a slow step), and no
-timeout is both safe and short. With the announcement a searcher enters a gloo wait only when bytes are on
-their way. Those waits still have a long timeout, --searcher-timeout: a transfer that takes longer means a
-searcher (or the trainer) has failed, the run ends, and the process group is not used again.
+Why announce on the store rather than send a header over gloo first: a gloo receive cannot be polled, and a
+gloo wait that times out breaks the process group, so a searcher waiting for a header between two publishes
+would need a timeout both safe and short. Announced, a searcher enters a gloo wait only when bytes are on their
+way; such a wait that outlasts --searcher-timeout means a failure: the run ends.
 
 Failures. torchrun watches every rank of its node: when one dies it sends SIGTERM to the others (SIGKILL
 30 s later). Rank 0 turns SIGTERM into a checkpoint and an exit, as without torchrun (ops/bookkeeping.py), so
@@ -49,8 +47,7 @@ Departures from the single-machine path (searcher.Searchers):
   4. Every node must be able to read --model (a hub id, or a path on a shared filesystem); the tiny preset's
      warm start is built in rank 0's --cache-dir.
 
-Run it through a run_*.py script under torchrun; `torchrun --standalone --nproc-per-node 3 -m bench.transport`
-times the transport (docs/scaling.md).
+Run it through a run_*.py script under torchrun; -m bench.transport times the transport (docs/scaling.md).
 """
 
 import dataclasses
@@ -166,7 +163,7 @@ class DistSearchers:
         self.failed, self.closed, self.send_ref = False, False, False
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
         self.last_heard = [time.time()] * cfg.num_searchers
-        self.publish_s, self.stats = 0.0, [{}] * cfg.num_searchers  # (what each searcher last reported)
+        self.publish_s, self.stats, self.reports = 0.0, [{}] * cfg.num_searchers, []  # (as searcher.Searchers)
 
     def __enter__(self):
         return self
@@ -193,6 +190,7 @@ class DistSearchers:
                 except dist.QueueEmptyError:
                     break
                 items += batch
+                self.reports.append(self.stats[i])
                 self.last_heard[i] = time.time()
         if not items:
             time.sleep(0.01)

@@ -220,6 +220,15 @@ def problems(processes, gpu_bytes):
     return out
 
 
+def peak_memory(device):
+    """The most memory this process has held: on a GPU, what torch allocated there; on a CPU, its peak resident set."""
+    import torch
+    if str(device).startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+
+
 # -----------------------------------------------------------------------------
 # /dev/shm: what the searcher processes share on one machine
 

@@ -9,26 +9,35 @@ Your own model, data and reward as a Task: what `python tba.py` trains.
   --prompt-column              a string, or a list of chat messages [{"role": ..., "content": ...}]; messages
                                go through the tokenizer's chat template (the generation prompt added, never a
                                second BOS)
-  --reward FILE.py:NAME        (or module:NAME) a function with the signature of TRL's reward functions, so one
-                               written for GRPOTrainer works unchanged:
-                                   fn(prompts, completions, **kwargs) -> list[float]
+  --reward FILE.py:NAME        (or module:NAME) a reward function called as TRL 1.16's GRPOTrainer calls it, so
+                               one written for it works unchanged:
+                                   fn(prompts=, completions=, completion_ids=, trainer_state=, log_extra=,
+                                      log_metric=, **columns) -> list[float | None]
                                prompts as the dataset holds them; completions as strings for text prompts and
-                               as [{"role": "assistant", "content": ...}] for chat prompts; kwargs the dataset's
-                               other columns, as lists aligned with the batch. It runs batched in the searcher
+                               as [{"role": "assistant", "content": ...}] for chat prompts; completion_ids the
+                               generated token ids (no prompt); trainer_state.global_step the trainer step whose
+                               weights generated them; log_extra(column, values) adds a column to samples.jsonl
+                               (an evaluation's), log_metric(name, value) a metric to metrics.jsonl (reward/NAME
+                               in training, eval/NAME in an evaluation); columns the dataset's others, as lists.
+                               `async def` rewards are awaited, together. It runs batched in the searcher
                                processes (and in the trainer for evaluation).
+  --reward A --reward B        several rewards, summed with --reward-weights (default 1.0 each); as TRL, a None
+                               is NaN and left out of the sum, and a completion every reward scored None is
+                               skipped with a warning: out of its group's baseline, the logged mean and the loss.
 
 The evaluation is the mean reward of greedy completions of the held-out prompts; the run's closing line is
-`reward: before X -> after Y`. A reward that raises, returns the wrong number of values, a NaN, an infinity
-or a non-number stops the run with a line naming --reward and what it returned.
-
-Departure from TRL: the reward is not passed `completion_ids` or `trainer_state`.
+`reward: before X -> after Y`. A reward whose signature cannot take what it is passed is refused before anything
+starts (exit 2, naming the function and the parameter); one that raises, returns the wrong number of values, a
+NaN, an infinity or a non-number stops the run with a line naming --reward and what it returned.
 
 Run: python tba.py --help
 """
 
+import asyncio
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -54,9 +63,9 @@ class DatasetConfig(Config):
     eval_holdout: int = knob(64, "rows of --dataset held out for evaluation when there is no --eval-dataset")
     dataset_split: str = knob("train", "the split to read from a hub dataset or a DatasetDict directory")
     prompt_column: str = knob("prompt", "the column holding each prompt: a string, or a list of chat messages")
-    reward: str = knob("", "the reward, FILE.py:NAME or module:NAME: fn(prompts, completions, **columns) -> "
-                           "list[float], as TRL's reward functions")
-
+    reward: list[str] = knob([], "the reward, FILE.py:NAME or module:NAME, called as TRL's GRPOTrainer calls its "
+                                 "reward functions (async def too); give it again for several")
+    reward_weights: list[float] = knob([], "the rewards' weights in their sum, one per --reward (default: 1.0 each)")
 
     def check_inputs(self):
         """Everything make_task will read, read now (before anything starts): the flags, the reward, the rows."""
@@ -72,8 +81,11 @@ def make_task(cfg):
     for name in ("model", "dataset", "reward"):
         if not getattr(cfg, name):
             raise ConfigError(f"--{name} is required (python tba.py --model M --dataset D --reward FILE.py:NAME)")
-    load_reward(cfg.reward)  # a missing file, function or callable is refused now, before any searcher scores
+    if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward):
+        raise ConfigError(f"--reward-weights: {len(cfg.reward_weights)} weights for {len(cfg.reward)} rewards")
     rows = list(read_rows(cfg.dataset, cfg.dataset_split, "dataset", cfg.prompt_column))
+    for spec in cfg.reward:  # a missing file or function, or a signature that cannot take TRL's arguments: now
+        check_signature(spec, load_reward(spec), [c for c in rows[0] if c != cfg.prompt_column])
     if cfg.eval_dataset:
         eval_rows = read_rows(cfg.eval_dataset, cfg.dataset_split, "eval_dataset", cfg.prompt_column)
     elif cfg.eval_holdout < len(rows):
@@ -87,22 +99,25 @@ def make_task(cfg):
     render = chat_renderer(cfg) if chat[0] else (lambda prompt: prompt)
     return DatasetTask([render(r[cfg.prompt_column]) for r in rows], rows,
                        [render(r[cfg.prompt_column]) for r in eval_rows], eval_rows,
-                       reward=cfg.reward, prompt_column=cfg.prompt_column, chat=chat[0])
+                       reward=cfg.reward, reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
+                       prompt_column=cfg.prompt_column, chat=chat[0], steps=cfg.steps)
 
 
 @dataclass
 class DatasetTask(Task):
-    """Prompts from a dataset (a meta is its whole row), scored by a TRL-style reward function; the evaluation is
+    """Prompts from a dataset (a meta is its whole row), scored by TRL-style reward functions; the evaluation is
     the mean reward of greedy completions."""
-    reward: str = ""  # FILE.py:NAME or module:NAME
+    reward: list = None  # FILE.py:NAME or module:NAME, each
+    reward_weights: list = None  # one per reward
     prompt_column: str = "prompt"
     chat: bool = False  # the prompts are chat messages (rendered by the chat template)
+    steps: int = 0  # the run's trainer steps (trainer_state.max_steps)
     name = "dataset"
     headline = "reward"
     percent = False
 
     def make_scorer(self, device="cpu"):
-        return RewardScorer(self.reward, self.prompt_column, self.chat)
+        return RewardScorer(self.reward, self.reward_weights, self.prompt_column, self.chat, self.steps)
 
     def evaluate(self, policy, n):
         if getattr(self, "_scorer", None) is None:
@@ -110,28 +125,78 @@ class DatasetTask(Task):
         return greedy_evaluation(policy, self.eval_prompts[:n], self.eval_metas[:n], self._scorer, "reward")
 
 
+@dataclass
+class TrainerState:
+    """What TRL passes a reward as `trainer_state`, as far as a searcher knows it."""
+    global_step: int  # the trainer step whose weights generated the completions
+    max_steps: int
+
+
 class RewardScorer:
-    """The user's reward function behind the Task scorer interface, its output checked."""
+    """The user's reward functions behind the Task scorer interface, called as TRL calls them, their output checked
+    and summed with their weights; NaN for a completion that every function scored None."""
 
-    def __init__(self, spec, prompt_column, chat):
-        self.spec, self.fn, self.prompt_column, self.chat = spec, load_reward(spec), prompt_column, chat
+    def __init__(self, specs, weights, prompt_column, chat, steps):
+        self.specs, self.fns, self.weights = specs, [load_reward(s) for s in specs], weights
+        self.prompt_column, self.chat, self.steps = prompt_column, chat, steps
 
-    def __call__(self, prompts, completions, metas):
-        n = len(completions)
-        columns = {k: [m[k] for m in metas] for k in metas[0] if k != self.prompt_column}
+    def __call__(self, prompts, completions, metas, completion_ids=None, step=0, log=None):
+        log = {"metrics": {}, "extra": {}} if log is None else log
         texts = [[{"role": "assistant", "content": c}] for c in completions] if self.chat else list(completions)
-        try:
-            out = self.fn(prompts=[m[self.prompt_column] for m in metas], completions=texts, **columns)
-        except Exception as e:
-            raise RewardError(f"--reward {self.spec} raised {type(e).__name__}: {e}") from e
+        kwargs = dict(prompts=[m[self.prompt_column] for m in metas], completions=texts,
+                      completion_ids=completion_ids or [[] for _ in completions],
+                      trainer_state=TrainerState(step, self.steps),
+                      log_extra=lambda column, values: log["extra"].setdefault(column, []).extend(values),
+                      log_metric=lambda name, value: log["metrics"].setdefault(name, []).append(value),
+                      **{k: [m[k] for m in metas] for k in metas[0] if k != self.prompt_column})
+        rows = [[w * v for w, v in zip(self.weights, values) if not math.isnan(v)] for values in zip(*self._call_all(kwargs))]
+        return [math.fsum(row) if row else math.nan for row in rows]  # (TRL: nansum; every one None: unscored)
+
+    def _call_all(self, kwargs):
+        """Each function's checked output (None as NaN): the sync ones in turn, the async ones awaited together; an
+        exception is a RewardError naming the reward."""
+        async def call(i):
+            try:
+                out = self.fns[i](**kwargs)
+                out = await out if inspect.isawaitable(out) else out
+            except Exception as e:
+                raise RewardError(f"--reward {self.specs[i]} raised {type(e).__name__}: {e}") from e
+            return self._checked(self.specs[i], out, len(kwargs["completions"]))
+
+        async def together():
+            return await asyncio.gather(*(call(i) for i in range(len(self.fns))))
+        return asyncio.run(together())
+
+    @staticmethod
+    def _checked(spec, out, n):
+        """A reward's output as n floats (None as NaN); anything but one finite number or None each: a RewardError."""
         ok = (isinstance(out, (list, tuple)) or hasattr(out, "tolist")) and len(out) == n
         values = list(out.tolist() if hasattr(out, "tolist") else out) if ok else []
-        bad = [v for v in values if not isinstance(v, numbers.Real) or not math.isfinite(v)]
+        bad = [v for v in values if v is not None and (not isinstance(v, numbers.Real) or not math.isfinite(v))]
         if not ok or bad:
             what = f"{len(out)} values" if ok or isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
-            raise RewardError(f"--reward {self.spec} returned {what}{f' with {bad[0]!r}' if bad else ''} for {n} "
-                              f"completions; expected a list of {n} finite numbers")
-        return [float(v) for v in values]
+            raise RewardError(f"--reward {spec} returned {what}{f' with {bad[0]!r}' if bad else ''} for {n} "
+                              f"completions; expected a list of {n} finite numbers (or None)")
+        return [math.nan if v is None else float(v) for v in values]
+
+
+TRL_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def check_signature(spec, fn, columns):
+    """A reward must take every keyword argument it is passed (TRL_KWARGS and the dataset's other columns) and need
+    no other: else a ConfigError naming the function and the parameter."""
+    params = inspect.signature(fn).parameters
+    passed = TRL_KWARGS + tuple(columns)
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for name in passed:
+            if name not in params or params[name].kind is inspect.Parameter.POSITIONAL_ONLY:
+                raise ConfigError(f"--reward {spec}: {fn.__name__}() takes no keyword argument '{name}', which every "
+                                  f"reward is passed (TRL's reward interface: give it **kwargs)")
+    for name, p in params.items():
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in passed:
+            raise ConfigError(f"--reward {spec}: {fn.__name__}() needs '{name}', which no reward is passed (they are "
+                              f"{', '.join(TRL_KWARGS)} and the columns of --dataset)")
 
 
 def load_reward(spec):

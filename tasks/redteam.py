@@ -244,7 +244,7 @@ class RedTeamTask(Task):
         judge, tokenizer = Judge(self, device), AutoTokenizer.from_pretrained(self.attacker)
         ref = load_model(self.attacker, device)[0] if self.gamma != 1 else None  # the prior term's p_ref
 
-        def score(prompts, attacks, metas):
+        def score(prompts, attacks, metas, **context):  # (what else a scorer is passed: rewards.Task)
             _, p = judge(attacks)  # (N, R)
             ref_logp = None if ref is None else prior_logp(ref, tokenizer, prompts, attacks, self.score_batch)
             r = log_reward(p, attack_lengths(tokenizer, attacks), self.beta, self.gamma, self.min_attack_tokens, ref_logp)

@@ -178,7 +178,7 @@ class RewardModel:
         self.model, self.batch_size = model.to(device).eval(), batch_size
 
     @torch.no_grad()
-    def __call__(self, prompts, responses, metas=None):
+    def __call__(self, prompts, responses, metas=None, **context):  # (what else a scorer is passed: rewards.Task)
         scores = []
         for i in range(0, len(prompts), self.batch_size):
             batch = reward_inputs(self.tokenizer, prompts[i:i + self.batch_size], responses[i:i + self.batch_size])
@@ -188,7 +188,7 @@ class RewardModel:
         return scores
 
 
-def fact_score(prompts, responses, metas):
+def fact_score(prompts, responses, metas, **context):
     """The tiny preset's gold score of each response, from its post's key facts and distractors (in metas).
 
     A summary is read as phrases split at "," and "."; each phrase is a tuple of words. Then

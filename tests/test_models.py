@@ -125,7 +125,8 @@ def _logits(model, ids):
 
 def test_lora_reference_searcher_weights_and_final_model(tmp_path):
     pytest.importorskip("peft")
-    from models import AdaptersOff, load_trainer_models, plain_state_dict, save_model
+    from models import load_trainer_models
+    from ops.lora import AdaptersOff, plain_state_dict, save_model
     path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
     policy, ref, tokenizer = load_trainer_models(_cfg(model=path, lora_rank=4))
     assert isinstance(ref, AdaptersOff) and not [p for p in ref.parameters() if p.requires_grad]
