@@ -69,8 +69,7 @@ from ops.devices import local_device, torchrun_rank
 from ops.weights import WeightSender, digest, layout, one_line, unpack
 
 POLL_S = 0.05  # how often a searcher's receiving thread looks for announced weights and for "stop"
-JOIN_TIMEOUT_S = 600  # every rank must reach the store and the process group within this (torchrun starts them
-                      # together; imports on a busy node can take a minute)
+JOIN_TIMEOUT_S = 600  # every rank must reach the store and the process group within this (imports can take minutes)
 
 
 class TrainerGone(RunError):
