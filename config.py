@@ -14,6 +14,7 @@ Run: python run_gsm8k.py --help
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -211,11 +212,27 @@ class SearcherDied(RunError):
 
 
 class Stopped(Exception):
-    """The run was stopped by a signal (Ctrl-C, SIGTERM, SIGHUP); exit code 128 + the signal's number."""
+    """The run was stopped by a signal (Ctrl-C, SIGTERM, SIGHUP); exit code 128 + the signal's number. `detail`:
+    what was saved (empty: the launcher names the last complete checkpoint, if there is one)."""
 
     def __init__(self, signum, detail=""):
-        self.signum, self.exit_code = signum, 128 + signum
+        self.signum, self.exit_code, self.detail = signum, 128 + signum, detail
         super().__init__(f"stopped by {signal.Signals(signum).name}" + (f"; {detail}" if detail else ""))
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; Slurm, Docker, systemd; a closed terminal
+
+
+@contextlib.contextmanager
+def signals_ignored():
+    """Stop signals ignored in this block: a process started in it starts with them ignored (they are the trainer's to
+    handle), and what must finish (stopping the searchers) does."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # -----------------------------------------------------------------------------
@@ -347,5 +364,9 @@ def print_config(cfg):
 def save_config(cfg):
     """Print the resolved config and save it as run_dir/config.json."""
     print_config(cfg)
-    with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    path = os.path.join(cfg.run_dir, "config.json")
+    try:
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    except OSError as e:
+        raise RunError(f"cannot write {path}: {e.strerror}") from None

@@ -7,9 +7,10 @@ trajectories to the trainer; and the trainer's end of them. A task script starts
 
 The trainer talks to one `Searchers` object: start, poll (what arrived: tba.merge makes a round of it), publish,
 pause, check_alive. Weights travel through ops/weights.SharedWeights (a copy of the state dict on each searcher
-device, shared through torch.multiprocessing, and a version counter), batches on one queue per searcher. The same interface serves --sync (`SyncSearch`, in the trainer's process)
-and torchrun (ops/distributed.py); the searcher loop (`searcher_main`: weights in, prompts, generate, score,
-batch out) reaches the trainer through a `link`, which serves both kinds of machine.
+device, shared through torch.multiprocessing, and a version counter), batches on one queue per searcher. The
+same interface serves --sync (`SyncSearch`, in the trainer's process) and torchrun (ops/distributed.py); the
+searcher loop (`searcher_main`: weights in, prompts, generate, score, batch out) reaches the trainer through a
+`link`, which serves both kinds of machine.
 
 Departures from the official code:
   1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived, and waits
@@ -27,13 +28,12 @@ import math
 import os
 import queue
 import random
-import signal
 import time
 
 from tqdm import tqdm
 
 from buffer import Trajectory
-from config import SearcherDied
+from config import SearcherDied, signals_ignored
 from ops.devices import torchrun_rank
 from ops.weights import SharedWeights, shared_device
 
@@ -57,15 +57,17 @@ class Searchers:
     """The searcher processes, one queue each, and the shared weights. A context manager: leaving it stops them."""
 
     def __init__(self, cfg):
-        import torch.multiprocessing as mp  # (imports torch: here, not at import time, so that --help answers at once)
-        self.cfg = cfg
-        self.ctx = mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
+        import multiprocessing.resource_tracker as tracker
+        import torch.multiprocessing as mp
+        with signals_ignored():  # (the tracker of the processes' semaphores outlives a closed terminal, and stays quiet)
+            tracker.ensure_running()
+        self.cfg, self.ctx = cfg, mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
         self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
         self.weights = {"policy": SharedWeights(self.ctx), "ref": SharedWeights(self.ctx)}  # (ops/weights.py)
         n = cfg.num_searchers
         self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
-        self.restarts, self.job, self.publish_s = 0, None, 0.0
-        self.stats, self.reports = [{}] * n, []  # what each searcher last reported; every report since the last merge
+        self.restarts, self.job, self.publish_s, self.stats, self.reports = 0, None, 0.0, [{}] * n, []  # (stats: the last
+        # report of each searcher, reports: every report since the last merge)
         for rank in range(n):
             self._spawn(rank)
 
@@ -82,7 +84,8 @@ class Searchers:
         self.procs[rank] = self.ctx.Process(
             target=searcher_process, name=f"searcher-{rank}", daemon=True,
             args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.pause_event, self.weights, os.getpid()))
-        self.procs[rank].start()
+        with signals_ignored():  # (a searcher starts with stop signals ignored: they are the trainer's to handle)
+            self.procs[rank].start()
         self.last_heard[rank] = time.time()
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
@@ -105,8 +108,7 @@ class Searchers:
         self.last_heard[rank] = time.time()
 
     def poll(self):
-        """Every trajectory the searchers sent since the last poll, in arrival order per searcher (waits 10 ms when
-        there is none)."""
+        """Every trajectory the searchers sent since the last poll, in order per searcher (waits 10 ms if none came)."""
         items = []
         for rank, q in enumerate(self.queues):
             while True:
@@ -132,8 +134,7 @@ class Searchers:
         self.last_heard = [time.time()] * len(self.procs)  # (a held searcher is not a silent one)
 
     def publish_ref(self, ref, version):
-        if "ref_logp" in self.cfg.needs:
-            self.weights["ref"].publish(ref, version)
+        self.weights["ref"].publish(ref, version)  # (no copy when the objective reads no reference: start)
 
     def check_alive(self):
         """A dead or silent searcher is restarted (with the current weights) or ends the run, per
@@ -164,28 +165,27 @@ class Searchers:
         self.restarts = state["restarts"]
 
     def close(self):
-        """Stop every searcher: ask, wait up to 5 s, then kill. Safe to call twice."""
-        self.stop_event.set()
-        deadline = time.time() + 5.0
-        for p in self.procs:
-            p.join(timeout=max(deadline - time.time(), 0.1))
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        for q in self.queues + self.jobs:
-            q.cancel_join_thread()  # never block the trainer's exit on data nobody will read
-            q.close()
+        """Stop every searcher: ask, wait up to 5 s, then kill; a signal meanwhile does not interrupt it. Safe twice."""
+        with signals_ignored():
+            self.stop_event.set()
+            deadline = time.time() + 5.0
+            for p in self.procs:
+                p.join(timeout=max(deadline - time.time(), 0.1))
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5.0)
+            for q in self.queues + self.jobs:
+                q.cancel_join_thread()  # never block the trainer's exit on data nobody will read
+                q.close()
 
 
 # -----------------------------------------------------------------------------
 # A searcher process
 
 def searcher_process(rank, jobs, out_queue, stop_event, pause_event, weights, parent_pid):
-    """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it.
-    Stop signals are the trainer's to handle: a searcher ends when told to or when the trainer is gone."""
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, signal.SIG_IGN)
+    """A searcher process: import the slow libraries while the trainer starts up, wait for the job, run it. It starts
+    with stop signals ignored (they are the trainer's): it ends when told to or when the trainer is gone."""
     try:
         importlib.import_module("transformers.models.auto.modeling_auto")  # (the slow import, done while waiting)
         while not stop_event.is_set() and os.getppid() == parent_pid:
@@ -368,7 +368,7 @@ class SyncSearch:
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         from models import HFGenerator
-        self.version = step
+        self.version = step  # (reference and behaviour log-probs: left to the trainer, which has the models)
         self.searcher = Searcher(cfg, task, HFGenerator(policy, tokenizer, cfg.max_new_tokens), tokenizer,
                                  task.make_scorer(cfg.device), cfg.seed)
         self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.prompts_per_step, cfg.seed)

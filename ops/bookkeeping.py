@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import time
 
@@ -31,11 +32,12 @@ import torch
 from tqdm import tqdm
 
 from buffer import InconsistentBuffer, ReplayBuffer
-from config import LAUNCHED, ConfigError, RunError, SearcherDied, Stopped
+from config import LAUNCHED, STOP_SIGNALS, ConfigError, RunError, SearcherDied, Stopped
 from models import EvalPolicy, autocast
 from ops.lora import save_model
 from ops.memory import peak_memory
-from ops.checkpoint import CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint
+from ops.checkpoint import (CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint,
+                            write_error, write_text_atomic)
 from ops.metrics import Meter, Tracker, format_line
 
 
@@ -60,8 +62,6 @@ class Counters:
 
 
 class Bookkeeping:
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
     def __init__(self, run):
         self.run, self.cfg = run, run.cfg
         self.counters, self.meter = Counters(), Meter()
@@ -74,24 +74,26 @@ class Bookkeeping:
     # -- stop signals, and a checkpoint on the way out
 
     def __enter__(self):
-        self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        self.previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return self
 
     def _on_signal(self, signum, frame):
-        if self.requested:
-            raise Stopped(signum, "a second signal: no checkpoint of the current step")
+        if self.requested:  # a second signal: out now (a checkpoint being written is dropped; the launcher names the
+            raise Stopped(signum)  # last complete one)
         self.requested = signum
 
     def __exit__(self, kind, error, traceback):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-        if kind is not None:
-            self.tracker.close()
-        if kind is not None and issubclass(kind, SearcherDied):
-            self.save(self.step)  # the failing step had not trained: the state is consistent
-        elif kind is not None and issubclass(kind, StopRequested):  # at a step boundary or while waiting: too
-            path = self.save(self.step)
-            raise Stopped(self.requested, f"checkpoint {path}; continue with --resume {self.cfg.run_dir}") from None
+        try:  # (this handler stays until the stop's checkpoint is written: a second signal ends that too)
+            if kind is not None:
+                self.tracker.close()
+            if kind is not None and issubclass(kind, SearcherDied):
+                self.save(self.step)  # the failing step had not trained: the state is consistent
+            elif kind is not None and issubclass(kind, StopRequested):  # at a step boundary or while waiting: too
+                path = self.save(self.step)
+                raise Stopped(self.requested, f"checkpoint {path}; continue with --resume {self.cfg.run_dir}") from None
+        finally:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
         return False
 
     # -- per step
@@ -210,12 +212,8 @@ class Bookkeeping:
         self.tracker.close()
         after = {k: v for k, v in record.items() if k.startswith("eval/")}
         final_dir = os.path.join(cfg.run_dir, "final")
-        save_model(run.policy, final_dir)  # (LoRA: merged, so that from_pretrained loads it)
-        run.tokenizer.save_pretrained(final_dir)
-        respect_umask(final_dir)
+        save_final(run, final_dir, {"headline": run.task.headline, "before": run.before, "after": after})
         print(f"saved the final policy to {final_dir}")
-        with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
-            json.dump({"headline": run.task.headline, "before": run.before, "after": after}, f, indent=2)
         key = f"eval/{run.task.headline}"
         print(f"{run.task.headline}: before {headline_text(run.task, run.before[key])} -> after "
               f"{headline_text(run.task, after[key])}")
@@ -252,6 +250,7 @@ class Bookkeeping:
                 raise ConfigError(f"--resume {cfg.resume}: {path} is at step {state['step']}, past --steps {cfg.steps}")
             print(f"resuming from {path} at step {state['step']}")
             run.start, run.ref_version, run.before = state["step"], state["ref_version"], state["before"]
+            self.tracker.rewind(run.start)  # (the records of the steps after the checkpoint are made again)
             self.step = run.start
             self.counters = Counters(**{f.name: state[f.name] for f in dataclasses.fields(Counters)})
             return state["searchers"]
@@ -276,6 +275,23 @@ def process_stats(run):
     return {"time/publish": run.searchers.publish_s, "time/pull": max((s["pull_s"] for s in stats), default=math.nan),
             "memory/trainer_gb": peak_memory(run.cfg.device) / 2 ** 30,
             "memory/searcher_gb": max((s["peak_bytes"] for s in stats), default=math.nan) / 2 ** 30}
+
+
+def save_final(run, final_dir, result):
+    """final/ (the trained policy, LoRA merged, and its tokenizer: from_pretrained loads it) and result.json, each
+    written under a temporary name and renamed into place; a failed write is a WriteError, nothing half-written left."""
+    tmp = f"{final_dir}.tmp{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(run.policy, tmp)
+        run.tokenizer.save_pretrained(tmp)
+        respect_umask(tmp)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp, final_dir)
+        write_text_atomic(os.path.join(run.cfg.run_dir, "result.json"), json.dumps(result, indent=2))
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(final_dir, e) from None
 
 
 def headline_text(task, value):

@@ -32,13 +32,14 @@ random streams and whatever timing the machine gives them, so the data they prod
 Run: python run_gsm8k.py --checkpoint-every 50, then the same command with --resume runs/gsm8k-tiny.
 """
 
+import errno
 import fcntl
 import json
 import os
 import shutil
 import time
 
-from config import ConfigError, flag
+from config import ConfigError, RunError, flag
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "result.json", "checkpoints", "final", "evals",
              "tensorboard", "wandb")  # what a run writes
@@ -98,6 +99,7 @@ def prepare_run_dir(cfg, run_dir_given):
         for name in used:
             path = os.path.join(cfg.run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    remove_leftovers(cfg.run_dir)  # (this run holds the lock: no one else is writing them)
 
 
 def release_run_dir():
@@ -143,29 +145,87 @@ def check_resume(cfg):
 # Checkpoints
 
 def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=2):
-    """Write the checkpoint taken before trainer step `step`; returns its path."""
+    """Write the checkpoint taken before trainer step `step`; returns its path. One that cannot be written (a full
+    disk: checked first, against its size) is a WriteError naming it, with nothing of it left behind."""
     import torch
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:06d}")
     tmp = final + f".tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    policy.save_pretrained(os.path.join(tmp, "policy"))
-    ref.save_pretrained(os.path.join(tmp, "ref"))
-    torch.save(opt.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, os.path.join(tmp, "rng.pt"))
-    write_json(os.path.join(tmp, "buffer.json"), buffer.state_dict())
-    write_json(os.path.join(tmp, "state.json"), {"step": step, **state, "saved_at": time.time()})
-    respect_umask(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    write_text_atomic(os.path.join(root, "latest"), os.path.basename(final))
+    records = {"buffer.json": json.dumps(buffer.state_dict()), "state.json": json.dumps({"step": step, **state,
+                                                                                       "saved_at": time.time()})}
+    needed = sum(map(tensor_bytes, (policy.state_dict(), ref.state_dict(), opt.state_dict()))) + sum(map(len, records.values()))
+    try:
+        os.makedirs(root, exist_ok=True)
+        check_space(root, needed)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        policy.save_pretrained(os.path.join(tmp, "policy"))
+        ref.save_pretrained(os.path.join(tmp, "ref"))
+        torch.save(opt.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
+        torch.save(rng, os.path.join(tmp, "rng.pt"))
+        for name, text in records.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        respect_umask(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        write_text_atomic(os.path.join(root, "latest"), os.path.basename(final))
+    except BaseException as e:  # (a second stop signal too): nothing half-written stays, the last checkpoint does
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception):
+            raise write_error(final, e, needed) from None
+        raise
     for old in checkpoints_newest_first(run_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class WriteError(RunError):
+    """A file of the run could not be written (a full disk, a read-only directory, ...): one line, naming it."""
+
+
+def tensor_bytes(state):
+    """Bytes of the tensors in a (nested) state dict."""
+    if hasattr(state, "element_size"):
+        return state.numel() * state.element_size()
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
+def check_space(folder, needed):
+    """A WriteError before anything is written when `folder`'s filesystem has less than `needed` bytes free."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise WriteError(f"cannot write in {folder}: no space left on the device ({mb(needed)} needed, {mb(free)} free)")
+
+
+def write_error(path, e, needed=None):
+    """The WriteError of a failed write of `path`: a full disk (however the writer words it: OSError 28, safetensors'
+    'os error 28', torch's 'unexpected pos') is said as such, with the space needed and free; else the error."""
+    if isinstance(e, WriteError):
+        return e
+    folder = next(p for p in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))) if os.path.exists(p))
+    free, text = shutil.disk_usage(folder).free, str(e)
+    if getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in text or "No space left" in text or \
+            (needed is not None and free < needed):
+        space = f"{mb(needed)} needed, {mb(free)} free" if needed is not None else f"{mb(free)} free"
+        return WriteError(f"cannot write {path}: no space left on the device ({space})")
+    reason = getattr(e, "strerror", None) or (text.strip().splitlines() or [type(e).__name__])[0]
+    return WriteError(f"cannot write {path}: {reason}"[:500])
+
+
+def mb(n):
+    return f"{n / 1e6:.1f} MB"
+
+
+def remove_leftovers(run_dir):
+    """What a crashed write left: checkpoint directories and files under a temporary name (*.tmpPID)."""
+    for folder in (run_dir, os.path.join(run_dir, "checkpoints")):
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if ".tmp" in name:
+                path = os.path.join(folder, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
 def checkpoints_newest_first(run_dir):
@@ -244,13 +304,14 @@ def respect_umask(folder):
             os.chmod(os.path.join(parent, name), 0o666 & ~umask)
 
 
-def write_json(path, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f)
-
-
 def write_text_atomic(path, text):
+    """Write a file under a temporary name and rename it into place: a crash leaves the old one or the new one."""
     tmp = path + f".tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise write_error(path, e) from None

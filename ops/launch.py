@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 
-from config import ConfigError, RunError, Stopped, check, parse_config, validate
+from config import STOP_SIGNALS, ConfigError, RunError, Stopped, check, parse_config, validate
 from ops.devices import check_devices, dry_run, resolve_and_plan, torchrun_rank, visible_gpu_bytes
 from ops.memory import check_shared_memory
 
@@ -36,6 +36,8 @@ def launch(make_config, main, run_dir_given=True):
     `main(cfg)`; returns the exit code (2: bad input, 1: the run failed, 128 + N: stopped by signal N). Every
     check that can fail does so before a model is loaded. run_dir_given: --run-dir was set explicitly (then
     --resume must not name another directory)."""
+    catch_stop_signals()  # (first: a signal at any moment ends the run with one line, no traceback)
+    cfg, claimed = None, False
     try:
         cfg = make_config()
         rank = torchrun_rank()
@@ -52,7 +54,6 @@ def launch(make_config, main, run_dir_given=True):
             return searcher_rank_main(cfg, searcher_main)
         check_installed(cfg)
         cfg.check_inputs()
-        catch_stop_signals()
         import torch
         torch.set_num_threads(cfg.trainer_threads)  # before any model work, warm starts included (docs/LOG.md)
         resolve_and_plan(cfg, torch.cuda.device_count(), visible_gpu_bytes(), importlib.util.find_spec("vllm") is not None,
@@ -60,6 +61,7 @@ def launch(make_config, main, run_dir_given=True):
         check_shared_memory(cfg)  # (/dev/shm too small: one line, before any process is spawned)
         from ops.checkpoint import prepare_run_dir
         prepare_run_dir(cfg, run_dir_given)
+        claimed = True
         main(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -68,8 +70,10 @@ def launch(make_config, main, run_dir_given=True):
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (Stopped, KeyboardInterrupt) as e:
-        e = e if isinstance(e, Stopped) else Stopped(signal.SIGINT, "before training started: nothing to resume")
-        print(f"{e}; all processes stopped", file=sys.stderr)
+        e = e if isinstance(e, Stopped) else Stopped(signal.SIGINT)
+        run_dir = cfg.run_dir if claimed else cfg.resume if cfg is not None and cfg.resume else None  # (this run's)
+        detail = "" if e.detail else f"; {resume_hint(run_dir)}"
+        print(f"{e}{detail}; all processes stopped", file=sys.stderr)
         return e.exit_code
     finally:
         if "ops.checkpoint" in sys.modules:
@@ -89,12 +93,19 @@ def check_installed(cfg):
 
 
 def catch_stop_signals():
-    """SIGTERM and SIGHUP (what Slurm, Docker and systemd send) stop a run like Ctrl-C does; during
-    training, ops/bookkeeping.Bookkeeping turns all three into a checkpoint at the next step boundary."""
+    """Ctrl-C, SIGTERM and SIGHUP (Slurm, Docker and systemd; a closed terminal) stop the run where it is; during
+    training, ops/bookkeeping.Bookkeeping turns them into a checkpoint at the next step boundary."""
     def stop(signum, frame):
-        raise Stopped(signum, "before training started: nothing to resume")
-    for s in (signal.SIGTERM, signal.SIGHUP):
+        raise Stopped(signum)
+    for s in STOP_SIGNALS:
         signal.signal(s, stop)
+
+
+def resume_hint(run_dir):
+    """What a stopped run can be resumed from: the last complete checkpoint of its run directory, or nothing."""
+    from ops.checkpoint import checkpoints_newest_first
+    found = checkpoints_newest_first(run_dir) if run_dir else []
+    return f"the last complete checkpoint is {found[0]}: continue with --resume {run_dir}" if found else "nothing to resume"
 
 
 def check_model_path(cfg):

@@ -15,13 +15,18 @@ import os
 import time
 
 from config import LAUNCHED
+from ops.checkpoint import write_error, write_text_atomic
 
 
 def write_metrics(path, record):
-    """Append one strict-JSON line (non-finite numbers become null): a plot can read the file mid-run."""
+    """Append one strict-JSON line (non-finite numbers become null): a plot can read the file mid-run. A failed
+    write is a WriteError naming the file (a full disk: the space free)."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-    with open(path, "a") as f:
-        f.write(json.dumps(clean, allow_nan=False) + "\n")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(clean, allow_nan=False) + "\n")
+    except OSError as e:
+        raise write_error(path, e) from None
 
 
 class Tracker:
@@ -51,6 +56,15 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(numbers, step=record["step"])
 
+    def rewind(self, step):
+        """On resume: metrics.jsonl and samples.jsonl cut back to the records before `step` (the steps after it are
+        recorded again as they are re-run), a line cut by a crash dropped: strict JSON, each step once."""
+        for path in (self.path, self.samples_path):
+            if os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if before_step(line, step)]
+                write_text_atomic(path, "".join(kept).rstrip("\n")) if kept else open(path, "w").close()
+
     def samples(self, step, samples):
         """An evaluation's held-out prompts, completions and scores, one strict-JSON line each."""
         for sample in samples:
@@ -62,6 +76,14 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish()
         self.tensorboard = self.wandb = None
+
+
+def before_step(line, step):
+    """Whether a metrics line is a whole JSON record of a step before `step`."""
+    try:
+        return json.loads(line)["step"] < step
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def format_line(record):
