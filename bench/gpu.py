@@ -17,7 +17,11 @@ precision: bf16-mixed trainer, bfloat16 searcher), and one table from its metric
 On a CPU it runs the same steps at small shapes (SMALL: a few layers, the real vocabularies) in a few minutes;
 CI runs that. The GPU table belongs in docs/scaling.md with the card and the date.
 
-Run: python -m bench.gpu [--steps N]
+`--weights`: instead, the weights' trip alone at RhoMath-1B's full shape (random weights): a publish into the shared
+copy (ops/weights.SharedWeights, cast to the searchers' dtype) and a pull out of it in another process, in
+milliseconds, for float32 and bfloat16 copies (on a CPU: shared memory; on a GPU: a CUDA buffer between processes).
+
+Run: python -m bench.gpu [--steps N]        python -m bench.gpu --weights
 """
 
 import json
@@ -136,10 +140,61 @@ def card():
     return next((v for k, v in CARDS.items() if k in name), (None, None))
 
 
+def weights_trip(dtype, repeats=5):
+    """(publish ms, pull ms): medians of `repeats` trips of RhoMath-1B's state dict through SharedWeights."""
+    import torch
+    import torch.multiprocessing as mp
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from ops.memory import PAPER_SHAPES
+    from ops.weights import SharedWeights
+    fields = dict(PAPER_SHAPES[SHAPES["RhoMath-1B (Llama)"]])
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    model = model.to_empty(device=device).float()  # (random bytes: what they hold does not matter to a copy)
+    ctx = mp.get_context("spawn")
+    shared, results = SharedWeights(ctx), ctx.Queue()
+    shared.allocate(model, 0, [device], dtype)
+    child = ctx.Process(target=_puller, args=(shared, shared.tensors[device], results, repeats))
+    child.start()
+    publish = []
+    for version in range(1, repeats + 1):
+        results.get(timeout=600)  # (the child is ready for this version)
+        t0 = time.perf_counter()
+        shared.publish(model, version)
+        publish.append(1e3 * (time.perf_counter() - t0))
+    pull = results.get(timeout=600)
+    child.join(timeout=60)
+    return statistics.median(publish), statistics.median(pull)
+
+
+def _puller(shared, tensors, results, repeats):
+    """The searcher's side of weights_trip: a model of the copy's dtype, a pull per published version."""
+    import torch
+    target = {n: torch.empty_like(t) for n, t in tensors.items()}
+    model = type("Model", (), {"load_state_dict": lambda self, s: [target[n].copy_(t) for n, t in s.items()],
+                               "state_dict": lambda self: target})()
+    times, version = [], 0
+    for _ in range(repeats):
+        results.put("ready")
+        while shared.version.value == version:
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        version = shared.pull(model, tensors, version)
+        times.append(1e3 * (time.perf_counter() - t0))
+    results.put(statistics.median(times))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     import torch
     gpu = torch.cuda.is_available()
+    if "--weights" in argv:
+        print(f"RhoMath-1B's state dict through SharedWeights on {torch.cuda.get_device_name(0) if gpu else 'CPU'}, "
+              f"{time.strftime('%Y-%m-%d')}, medians of 5\n\n| copy | publish (ms) | pull (ms) |\n|---|---|---|")
+        for dtype in (torch.float32, torch.bfloat16):
+            print(f"| {str(dtype)[6:]} | {'{:.0f} | {:.0f}'.format(*weights_trip(dtype))} |", flush=True)
+        return
     steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else (12 if gpu else 4)
     machine = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores), small shapes"
     print(f"bench.gpu on {machine}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {steps} steps a run\n", flush=True)

@@ -125,6 +125,10 @@ class Bookkeeping:
         if self.requested:
             raise StopRequested
         self.run.searchers.check_alive()
+        unscored = sum(r.get("unscored", 0) for r in self.run.searchers.reports)
+        if not have and unscored >= 4 * self.cfg.batch_size:  # (every reward None, again and again: nothing comes)
+            raise RunError(f"no reward scored any of the last {unscored} completions (every one returned None or NaN): "
+                           f"nothing to train on")
 
     def merged(self, items, step, min_version):
         """Count what a merge brought, and how long it waited for the searchers."""

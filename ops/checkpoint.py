@@ -156,7 +156,9 @@ def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=2):
     needed = sum(map(tensor_bytes, (policy.state_dict(), ref.state_dict(), opt.state_dict()))) + sum(map(len, records.values()))
     try:
         os.makedirs(root, exist_ok=True)
-        check_space(root, needed)
+        if shutil.disk_usage(root).free < needed:  # (nothing is written when it cannot all be)
+            raise WriteError(f"cannot write {final}: no space left on the device ({mb(needed)} needed, "
+                             f"{mb(shutil.disk_usage(root).free)} free)")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         policy.save_pretrained(os.path.join(tmp, "policy"))
@@ -191,13 +193,6 @@ def tensor_bytes(state):
         return state.numel() * state.element_size()
     values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
     return sum(tensor_bytes(v) for v in values)
-
-
-def check_space(folder, needed):
-    """A WriteError before anything is written when `folder`'s filesystem has less than `needed` bytes free."""
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise WriteError(f"cannot write in {folder}: no space left on the device ({mb(needed)} needed, {mb(free)} free)")
 
 
 def write_error(path, e, needed=None):

@@ -27,19 +27,17 @@ from ops.memory import check_shared_memory
 def cli(config_cls, presets, main, argv=None, description=None):
     """Parse the flags (argv: sys.argv[1:] by default), then `launch` main; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    return launch(lambda: parse_config(config_cls, presets, argv, description=description), main,
+    return launch(parse_config(config_cls, presets, argv, description=description), main,
                   run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
 
 
-def launch(make_config, main, run_dir_given=True):
-    """Make the config (`make_config()`: the command line parsed, or a config given), check it, run
-    `main(cfg)`; returns the exit code (2: bad input, 1: the run failed, 128 + N: stopped by signal N). Every
-    check that can fail does so before a model is loaded. run_dir_given: --run-dir was set explicitly (then
-    --resume must not name another directory)."""
+def launch(cfg, main, run_dir_given=True):
+    """Check the config (the command line parsed, or made in Python), run `main(cfg)`; returns the exit code (2: bad
+    input, 1: the run failed, 128 + N: stopped by signal N). Every check that can fail does so before a model is
+    loaded. run_dir_given: --run-dir was set explicitly (then --resume must not name another directory)."""
     catch_stop_signals()  # (first: a signal at any moment ends the run with one line, no traceback)
-    cfg, claimed = None, False
+    claimed = False
     try:
-        cfg = make_config()
         rank = torchrun_rank()
         if rank is not None:  # started by torchrun: rank 0 trains, ranks 1.. search (ops/distributed.py)
             from ops.distributed import configure
@@ -71,7 +69,7 @@ def launch(make_config, main, run_dir_given=True):
         return 1
     except (Stopped, KeyboardInterrupt) as e:
         e = e if isinstance(e, Stopped) else Stopped(signal.SIGINT)
-        run_dir = cfg.run_dir if claimed else cfg.resume if cfg is not None and cfg.resume else None  # (this run's)
+        run_dir = cfg.run_dir if claimed else cfg.resume or None  # (this run's: never another run's directory)
         detail = "" if e.detail else f"; {resume_hint(run_dir)}"
         print(f"{e}{detail}; all processes stopped", file=sys.stderr)
         return e.exit_code

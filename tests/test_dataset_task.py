@@ -20,6 +20,8 @@ from tasks.dataset import DEFAULTS, DatasetConfig, RewardError, RewardScorer, lo
 from tests.helpers import ROOT, _tiny_qwen2
 
 REWARDS = '''
+import asyncio
+
 def says_yes(prompts, completions, target, **kwargs):
     return [1.0 if t in c[0]["content"] else 0.0 for c, t in zip(completions, target)]
 
@@ -37,6 +39,16 @@ def words(prompts, completions, **kwargs):
 
 def boom(prompts, completions, **kwargs):
     raise KeyError("target")
+
+async def async_yes(prompts, completions, **kwargs):
+    await asyncio.sleep(0)
+    return [1.0 if "yes" in c[0]["content"] else 0.0 for c in completions]
+
+def half_none(prompts, completions, completion_ids, **kwargs):
+    return [None if len(ids) % 2 else 1.0 for ids in completion_ids]
+
+def old_style(prompts, completions, target):
+    return [0.0] * len(completions)
 
 NOT_A_FUNCTION = 3
 '''
@@ -58,7 +70,7 @@ def own(tmp_path_factory):
 
 def _cfg(own, **fields):
     return DatasetConfig(**{**DEFAULTS, "model": str(own / "qwen"), "dataset": str(own / "train.jsonl"),
-                            "eval_dataset": str(own / "eval.jsonl"), "reward": f"{own / 'rewards.py'}:says_yes", **fields})
+                            "eval_dataset": str(own / "eval.jsonl"), "reward": [f"{own / 'rewards.py'}:says_yes"], **fields})
 
 
 def test_chat_prompts_go_through_the_template_and_the_reward_is_called_as_trl_calls_it(own):
@@ -68,7 +80,7 @@ def test_chat_prompts_go_through_the_template_and_the_reward_is_called_as_trl_ca
     assert task.metas[0] == {"prompt": [{"role": "user", "content": "do you like tea 0?"}], "target": "yes"}
     score = task.make_scorer()
     assert score(task.prompts[:2], ["oh yes", "no"], task.metas[:2]) == [1.0, 0.0], "chat completions, extra column"
-    text = RewardScorer(f"{own / 'rewards.py'}:text_length", "prompt", chat=False)
+    text = RewardScorer([f"{own / 'rewards.py'}:text_length"], [1.0], "prompt", chat=False, steps=10)
     assert text(["p"], ["four"], [{"prompt": "p"}]) == [4.0], "text prompts get text completions"
 
 
@@ -91,7 +103,7 @@ def test_one_bos_when_the_template_renders_it():
     ("boom", "raised KeyError: 'target'"),
 ])
 def test_a_bad_reward_is_named_with_what_it_did(own, name, message):
-    score = RewardScorer(f"{own / 'rewards.py'}:{name}", "prompt", chat=False)
+    score = RewardScorer([f"{own / 'rewards.py'}:{name}"], [1.0], "prompt", chat=False, steps=10)
     with pytest.raises(RewardError, match=re.escape(f"--reward {own / 'rewards.py'}:{name} {message}")):
         score(["p", "q"], ["a", "b"], [{"prompt": "p"}, {"prompt": "q"}])
 
@@ -104,7 +116,11 @@ def test_bad_inputs_are_one_line_naming_the_flag(own, tmp_path):
              (lambda: load_reward("says_yes"), "--reward says_yes: expected FILE.py:NAME or module:NAME"),
              (lambda: make_task(_cfg(own, prompt_column="question")), "--prompt-column question: not a column"),
              (lambda: make_task(_cfg(own, dataset=str(tmp_path / "no.jsonl"))), "no such file"),
-             (lambda: make_task(_cfg(own, reward="")), "--reward is required")]
+             (lambda: make_task(_cfg(own, reward=[])), "--reward is required"),
+             (lambda: make_task(_cfg(own, reward_weights=[1.0, 2.0])), "--reward-weights: 2 weights for 1 rewards"),
+             (lambda: make_task(_cfg(own, reward=[f"{rewards}:old_style"])),
+              f"--reward {rewards}:old_style: old_style() takes no keyword argument 'completion_ids', which every "
+              f"reward is passed (TRL's reward interface: give it **kwargs)")]
     (tmp_path / "empty.jsonl").write_text("")
     cases.append((lambda: make_task(_cfg(own, dataset=str(tmp_path / "empty.jsonl"))), "empty.jsonl"))
     for call, message in cases:
@@ -179,3 +195,90 @@ def test_the_readme_examples_run_as_written(own, tmp_path):
     out = subprocess.run([sys.executable, "my_run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.fullmatch(r"reward: before [\d.]+ -> after [\d.]+", out.stdout.splitlines()[-1])
+
+
+TRL_DOCS = r'''
+import asyncio
+import re
+
+def reward_func(completion_ids, **kwargs):
+    """Reward function that assigns higher scores to longer completions (in terms of token count)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+def math_reward_func(prompts, completions, task, **kwargs):
+    rewards = []
+    for prompt, completion, t in zip(prompts, completions, task):
+        if t == "math":
+            rewards.append(1.0 if "4" in completion[0]["content"] else -1.0)
+        else:
+            rewards.append(None)
+    return rewards
+
+async def async_reward_func(prompts, completions, **kwargs):
+    # Simulate an I/O-bound call (e.g., HTTP request, database lookup)
+    await asyncio.sleep(0.01)
+    # Simple toy reward: 1.0 if the completion is non-empty, else 0.0
+    return [1.0 if completion else 0.0 for completion in completions]
+
+def logging_reward_func(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):
+    extracted = [re.search(r"\\boxed\{(.*?)\}", c[0]["content"]) for c in completions]
+    extracted = [m.group(1) if m else None for m in extracted]
+    rewards = [1.0 if e == gt else 0.0 for e, gt in zip(extracted, ground_truth)]
+    if log_extra:
+        log_extra("golden_answer", list(ground_truth))
+        log_extra("extracted_answer", [e or "[none]" for e in extracted])
+    if log_metric:
+        log_metric("accuracy", sum(rewards) / len(rewards))
+    return rewards
+
+def progress(completions, trainer_state, **kwargs):
+    return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+'''  # TRL 1.16's GRPOTrainer documentation's examples 1, 2, 4, 5 and 6 as written there (the helpers of example 4
+#    replaced by a check), and a reward reading trainer_state
+
+
+def test_rewards_written_as_trls_documentation_writes_them(tmp_path):
+    (tmp_path / "trl_docs.py").write_text(TRL_DOCS)
+    spec = lambda name: f"{tmp_path / 'trl_docs.py'}:{name}"
+    names = ["reward_func", "format_reward_func", "math_reward_func", "async_reward_func", "logging_reward_func", "progress"]
+    for name in names:  # (every signature takes what it is passed)
+        from tasks.dataset import check_signature
+        check_signature(spec(name), load_reward(spec(name)), ["task", "ground_truth"])
+    metas = [{"prompt": [{"role": "user", "content": "2+2?"}], "task": "math", "ground_truth": "4"},
+             {"prompt": [{"role": "user", "content": "code"}], "task": "code", "ground_truth": "1"}]
+    texts = ["<think>2 and 2</think><answer>\\boxed{4}</answer>", "no"]
+    call = lambda names, weights, log=None: RewardScorer([spec(n) for n in names], weights, "prompt", chat=True, steps=8)(
+        ["p", "q"], texts, metas, completion_ids=[[1, 2, 3], [4]], step=2, log=log)
+    assert call(["reward_func"], [1.0]) == [3.0, 1.0], "completion_ids: the generated token ids"
+    assert call(["format_reward_func"], [1.0]) == [1.0, 0.0], "chat completions"
+    assert call(["progress"], [1.0]) == [0.25, 0.25], "trainer_state: global_step 2 of max_steps 8"
+    assert math.isnan(call(["math_reward_func"], [1.0])[1]), "every reward None: unscored (NaN)"
+    assert call(["math_reward_func", "format_reward_func"], [2.0, 0.5]) == [2.5, 0.0], "None left out of the weighted sum"
+    assert call(["async_reward_func", "reward_func", "async_reward_func"], [1.0, 1.0, 1.0]) == [5.0, 3.0], "async awaited"
+    log = {"metrics": {}, "extra": {}}
+    assert call(["logging_reward_func"], [1.0], log) == [1.0, 0.0]
+    assert log == {"metrics": {"accuracy": [0.5]}, "extra": {"golden_answer": ["4", "1"], "extracted_answer": ["4", "[none]"]}}
+
+
+def test_two_rewards_one_async_with_weights_learn_and_none_is_skipped(own, tmp_path):
+    """python tba.py with two rewards (one async) and weights learns; a TRL-signature reward taking completion_ids runs
+    unchanged, and a completion it scores None (with nothing else scoring it) is skipped, counted, warned about."""
+    rewards = lambda *names: [a for n in names for a in ("--reward", f"{own / 'rewards.py'}:{n}")]
+    out = _run(own, tmp_path, *rewards("says_yes", "async_yes"), "--reward-weights", "1", "0.5", "--steps", "40",
+               "--lr", "3e-3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(float, re.fullmatch(r"reward: before ([\d.]+) -> after ([\d.]+)", out.stdout.splitlines()[-1]).groups())
+    assert after - before >= 0.3, out.stdout[-2000:]
+    assert max(before, after) <= 1.5 + 1e-9, "the weighted sum of two rewards in [0, 1] with weights 1 and 0.5"
+    out = _run(own, tmp_path / "none", *rewards("half_none"), "--steps", "6")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"warning: \d+ completions that every reward scored None were skipped at step \d+", out.stdout)
+    rows = [json.loads(line) for line in open(tmp_path / "none" / "run" / "metrics.jsonl")]
+    assert sum(r.get("reward/unscored", 0) for r in rows) > 0 and all(r["reward/batch"] == 1.0 for r in rows if "loss/train" in r)

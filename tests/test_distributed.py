@@ -60,6 +60,7 @@ def _merge_stream(searchers, links, rounds):
     brought."""
     import tba
     from buffer import ReplayBuffer, Trajectory
+    from searcher import Batch
     merged = []
     books = types.SimpleNamespace(wait_for_searchers=lambda have, need: None,
                                   merged=lambda items, step, min_version: merged.append([dataclasses.asdict(t) for t in items]))
@@ -67,7 +68,7 @@ def _merge_stream(searchers, links, rounds):
                                 buffer=ReplayBuffer(capacity_per_prompt=5, seed=0))
     for searcher, step, batches in rounds:
         for batch in batches:
-            assert links[searcher].put([Trajectory(**t) for t in batch])
+            assert links[searcher].put(Batch([Trajectory(**t) for t in batch]))
         # each merge waits for its whole round, as a first merge waits for the initial fill, so that the test
         # does not depend on how soon a multiprocessing queue's feeder thread delivers
         run.start, run.cfg.initial_completions = step, sum(len(b) for b in batches)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from buffer import ReplayBuffer
-from config import ConfigError
+from config import ConfigError, RunError
 from rewards import GSM8KTask, load_gsm8k
 from tests.helpers import (ROOT, TINY_SFT, _alive, _bpe_tokenizer, _children, _descendants, _popen, gsm8k_cli,
                            _start_and_wait_for_training, _start_in_the_warm_start, _wait_gone, read_metrics, tiny_args)
@@ -58,7 +58,8 @@ def test_killed_searcher_ends_run_nonzero_without_orphans(tmp_path, cache_dir):
     assert not [p for p in children if _alive(p)], "processes outlived the run"
 
 
-@pytest.mark.parametrize("signum,group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)])
+@pytest.mark.parametrize("signum,group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False),
+                                          (signal.SIGHUP, True), (signal.SIGTERM, True)])
 def test_stop_signal_checkpoints_and_stops_everything(tmp_path, cache_dir, signum, group):
     # Ctrl-C reaches the whole process group; Slurm, Docker and systemd send SIGTERM to the trainer
     proc = _start_and_wait_for_training(tmp_path, cache_dir)
@@ -71,7 +72,7 @@ def test_stop_signal_checkpoints_and_stops_everything(tmp_path, cache_dir, signu
     name = signal.Signals(signum).name
     last = rest.strip().splitlines()[-1]
     assert last.startswith(f"stopped by {name}; checkpoint ") and "continue with --resume" in last, last
-    assert "Traceback" not in rest
+    assert "Traceback" not in rest and "resource_tracker" not in rest and "leaked" not in rest, rest[-2000:]
     assert seconds < 20, f"stopping took {seconds:.1f} s"
     step = int(re.search(r"step-(\d+)", last).group(1))
     assert json.load(open(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / "state.json"))["step"] == step
@@ -193,7 +194,7 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
     import config
     import run_gsm8k
     import tba
-    from baselines import SyncSearch
+    from searcher import SyncSearch
     from ops.bookkeeping import NonFiniteError
     cfg = config.parse_config(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, [
         "--preset", "tiny", "--cache-dir", str(cache_dir), "--run-dir", str(tmp_path / "run"), "--sync",
@@ -207,12 +208,25 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
     rows = read_metrics(tmp_path)
     assert [r["grad/skipped"] for r in rows] == [1, 1], "the two logged steps were skipped"
     assert not os.path.exists(tmp_path / "run" / "checkpoints"), "no checkpoint written from a failing run"
+    cfg.run_dir = str(tmp_path / "unscored")
+    os.makedirs(cfg.run_dir)
+    with pytest.raises(RunError, match=r"no reward scored any of the last \d+ completions"):  # (the wait for data ends)
+        tba.train(cfg, _UnscoredTask(task.prompts, task.metas, task.eval_prompts, task.eval_metas), SyncSearch(cfg))
     assert before.keys() and all(torch.isfinite(t).all() for t in before.values())
 
 
 class _NaNTask(GSM8KTask):
+    """Every reward infinite: every loss non-finite. (A NaN reward would mean "unscored": that completion is dropped.)"""
+
     def make_scorer(self, device="cpu"):
-        return lambda prompts, completions, metas: [float("nan")] * len(completions)
+        return lambda prompts, completions, metas, **context: [float("inf")] * len(completions)
+
+
+class _UnscoredTask(GSM8KTask):
+    """No reward scores anything (every one None, for every completion)."""
+
+    def make_scorer(self, device="cpu"):
+        return lambda prompts, completions, metas, **context: [float("nan")] * len(completions)
 
 
 def test_unwritable_run_dir_is_an_error_before_training(tmp_path):
@@ -393,7 +407,7 @@ def test_resume_refuses_a_changed_run_accepts_harmless_changes_and_falls_back(tm
     changes = next(line for line in out.stdout.splitlines() if line.startswith("resume: changed since the checkpoint: "))
     assert "--steps 6 -> 8" in changes and "--log-every 1 -> 2" in changes, changes
     steps = [r["step"] for r in read_metrics(tmp_path)]
-    assert steps == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7], "the metrics continue from the checkpoint that was used"
+    assert steps == [0, 1, 2, 3, 4, 5, 6, 7], "cut back to the checkpoint that was used, then made again: each step once"
     names = sorted(os.listdir(run / "checkpoints"))
     assert names == ["latest", "step-000006", "step-000008"], "the newest two by time: the rewritten 6 and 8"
     assert open(run / "checkpoints" / "latest").read().strip() == "step-000008"
@@ -430,7 +444,7 @@ def test_ctrl_c_during_the_sft_warm_start_exits_cleanly(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     rest, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
-    assert rest.strip().splitlines()[-1] == "stopped by SIGINT; before training started: nothing to resume; all processes stopped"
+    assert rest.strip().splitlines()[-1] == "stopped by SIGINT; nothing to resume; all processes stopped"
     left = os.listdir(tmp_path / "cache") if os.path.exists(tmp_path / "cache") else []
     assert not [n for n in left if ".tmp" in n], "no half-written warm start is left"
     assert not _wait_gone(family, 15)
@@ -458,6 +472,8 @@ def test_an_empty_sync_is_logged(capsys):
     from ops.bookkeeping import Bookkeeping
 
     class Silent:
+        reports = []
+
         def poll(self):
             return []
     run = SimpleNamespace(searchers=Silent(), buffer=ReplayBuffer(4), start=0,
@@ -553,3 +569,98 @@ def test_an_evaluation_holds_the_searchers_and_a_stop_still_ends_them():
     pause.set()
     stop.set()
     assert link.alive() is False, "a stop ends the wait"
+
+
+# -----------------------------------------------------------------------------
+# Never lose work, part 2: a full disk, a second signal, a closed terminal, kills and resumes
+
+HAS_UNSHARE = subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+def _run_on_a_small_disk(tmp_path, cache_dir, size, *flags):
+    """A tiny run whose run directory is on a tmpfs of `size` (a private mount, this test's alone): its exit code,
+    its output, and the files left on that disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cmd = " ".join(tiny_args(disk, cache_dir, *flags))
+    script = f"mount -t tmpfs -o size={size} tmpfs {disk} && {cmd} 2>&1; echo EXIT=$?; find {disk} | sort"
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=600).stdout
+    output, _, listing = out.partition("EXIT=")
+    code, *files = listing.splitlines()
+    return int(code), output, [os.path.relpath(f, disk / "run") for f in files if f.startswith(str(disk / "run") + "/")]
+
+
+@pytest.mark.skipif(not HAS_UNSHARE, reason="needs a private mount namespace (unshare -m, as root)")
+@pytest.mark.parametrize("size,kept", [("20m", ["step-000002", "step-000004"]), ("3m", [])])
+def test_a_full_disk_is_one_line_and_keeps_the_last_complete_checkpoint(tmp_path, cache_dir, size, kept):
+    """The disk fills while a checkpoint is written (the third, or the first): the run ends with one line naming the
+    checkpoint and the space needed against free, exit 1; the checkpoints before it stay whole; nothing half-written."""
+    code, output, files = _run_on_a_small_disk(tmp_path, cache_dir, size, "--steps", "12", "--checkpoint-every", "2")
+    assert code == 1, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: cannot write \S+/checkpoints/step-\d{6}: no space left on the device "
+                        r"\([\d.]+ MB needed, [\d.]+ MB free\)", last), output[-3000:]
+    assert "Traceback" not in output
+    assert sorted(f.split("/")[1] for f in files if f.startswith("checkpoints/step-") and f.count("/") == 1) == kept
+    assert all(f"checkpoints/{c}/state.json" in files for c in kept) and not [f for f in files if ".tmp" in f]
+
+
+def test_a_second_signal_while_stopping_is_out_at_once_naming_the_last_complete_checkpoint(tmp_path, cache_dir):
+    proc = _popen(tiny_args(tmp_path, cache_dir, "--steps", "100000", "--checkpoint-every", "2"))
+    deadline = time.time() + 150
+    while not os.path.exists(tmp_path / "run" / "checkpoints" / "latest") and time.time() < deadline:
+        time.sleep(0.1)
+    family = _descendants(proc.pid)
+    t0 = time.time()
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGINT)  # (while the stop's checkpoint is written, or just before)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.time() - t0 < 10, rest[-2000:]
+    last = rest.strip().splitlines()[-1]
+    match = re.fullmatch(r"stopped by SIGINT; (?:checkpoint (\S+); continue with --resume \S+|the last complete "
+                         r"checkpoint is (\S+): continue with --resume \S+); all processes stopped", last)
+    assert match, last
+    from ops.checkpoint import checkpoints_newest_first
+    assert (match.group(1) or match.group(2)) == checkpoints_newest_first(str(tmp_path / "run"))[0]
+    assert not [n for n in os.listdir(tmp_path / "run" / "checkpoints") if ".tmp" in n]
+    assert not _wait_gone(family, 10), "processes outlived the run"
+
+
+def test_metrics_stay_strict_json_with_each_step_once_after_kills_and_resumes(tmp_path, cache_dir):
+    """Killed twice (SIGKILL to the whole group, once with a cut line appended to each file, as a crash mid-write
+    leaves it) and resumed each time: metrics.jsonl and samples.jsonl are strict JSON with each step once."""
+    run = tmp_path / "run"
+    args = tiny_args(tmp_path, cache_dir, "--steps", "14", "--checkpoint-every", "3", "--eval-every", "5")
+    for stop_after, cut in ((7, True), (11, False)):
+        proc = _popen(args + (["--resume", str(run)] if stop_after > 7 else []))
+        deadline = time.time() + 150
+        while time.time() < deadline and max((r["step"] for r in _lines(run / "metrics.jsonl")), default=-1) < stop_after:
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        if cut:
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write('{"step": 8, "loss/tr')
+            with open(run / "samples.jsonl", "a") as f:
+                f.write('{"step": 5, "prom')
+    out = subprocess.run(args + ["--resume", str(run)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path, evals=True)  # (strict: a bare NaN or a cut line fails here)
+    assert [r["step"] for r in rows] == list(range(15)), "each step once, then the final evaluation"
+    samples = [json.loads(line) for line in open(run / "samples.jsonl")]
+    steps = [s["step"] for s in samples]
+    assert {0, 5, 10, 14} <= set(steps) and all(steps.count(s) == 20 for s in set(steps)), \
+        "each evaluation's 20 held-out prompts once (a resume evaluates at its first step too)"
+    assert not [n for n in os.listdir(run / "checkpoints") if ".tmp" in n]
+
+
+def _lines(path):
+    """The whole JSON lines of a file being written (a cut last line skipped)."""
+    out = []
+    for line in open(path) if os.path.exists(path) else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out

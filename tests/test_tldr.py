@@ -226,7 +226,7 @@ def test_no_eos_penalty_replaces_the_score():
             return [[word, eos], [word, word]], None  # the second was cut at max_new_tokens
 
     task = TLDRTask(["TL;DR:"], [{}], ["TL;DR:"], [{}])
-    searcher = Searcher(cfg, task, Generator(), tokenizer, lambda p, c, m: [0.7] * len(c), seed=0)
+    searcher = Searcher(cfg, task, Generator(), tokenizer, lambda p, c, m, **context: [0.7] * len(c), seed=0)
     trajectories = searcher.search([0], policy_version=0, ref_version=-1)
     assert [t.reward for t in trajectories] == [0.7, -1.0]
 
