@@ -207,8 +207,8 @@ def searcher_main(rank, cfg, task, seed, link):
     copies newer "policy" or "ref" weights in; put(batch) sends, waiting while the queue is full."""
     import torch
     from models import HFGenerator, dtype_of, load_model
-    from ops.memory import peak_memory
     from ops.devices import claim_gpu
+    from ops.memory import peak_memory
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
     device = claim_gpu(cfg, cfg.searcher_devices[rank])  # (vLLM takes the first visible GPU: mask the others)
@@ -228,15 +228,15 @@ def searcher_main(rank, cfg, task, seed, link):
         if not link.alive():
             break
         t0 = time.time()
-        new_version = link.pull("policy", policy, version)  # 1. newer weights
+        new_version = link.pull("policy", policy, version)  # newer weights, if the trainer published them
         if new_version != version and generator.model is not policy:
             generator.load_state_dict(policy.state_dict())  # the backend's own copy (vLLM's engine)
         pull_s, version = (time.time() - t0 if new_version != version else 0.0), new_version
         if ref is not None:
             ref_version = link.pull("ref", ref, ref_version)
         batch = Batch(searcher.search(batch_ids, version, ref_version), pull_s=pull_s, peak_bytes=peak_memory(device),
-                      reward_metrics=searcher.log["metrics"], unscored=searcher.unscored)
-        if not link.put(batch):  # 5. send
+                      reward_metrics=searcher.log["metrics"], unscored=searcher.unscored)  # generate S each, score
+        if not link.put(batch):  # send (waits while the queue is full)
             break
 
 
