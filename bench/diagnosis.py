@@ -126,7 +126,7 @@ def load(cfg):
     the diagnostics of an empty-sync collapse."""
     variants = {"fresh rounds": [], "--no-fresh-rounds": ["--no-fresh-rounds"]}
     cells = {(t, v): cell(cfg, script, f"load-{script[4:-3]}-{'fresh' if not f else 'nofresh'}", f, every, load=True)
-             for t, (script, every) in LOAD_TASKS.items() for v, f in variants.items()}
+             for v, f in variants.items() for t, (script, every) in LOAD_TASKS.items()}  # both tasks' fresh rounds first
     gain = lambda r: 100 * (r["final"] - r["before"])
     rows = [{"task": t, "variant": v, "score (%)": fmt([r["score"] for r in rs], 100),
              "gain per seed (points)": ", ".join(f"{gain(r):+.1f}" for r in rs),

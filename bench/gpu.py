@@ -140,14 +140,15 @@ def card():
     return next((v for k, v in CARDS.items() if k in name), (None, None))
 
 
-def weights_trip(dtype, repeats=5):
-    """(publish ms, pull ms): medians of `repeats` trips of RhoMath-1B's state dict through SharedWeights."""
+def weights_trip(dtype, repeats=5, **smaller):
+    """(publish ms, pull ms): medians of `repeats` trips of RhoMath-1B's state dict through SharedWeights (its
+    config's fields replaced by `smaller`, for a test)."""
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
     from ops.memory import PAPER_SHAPES
     from ops.weights import SharedWeights
-    fields = dict(PAPER_SHAPES[SHAPES["RhoMath-1B (Llama)"]])
+    fields = {**PAPER_SHAPES[SHAPES["RhoMath-1B (Llama)"]], **smaller}
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
@@ -163,9 +164,9 @@ def weights_trip(dtype, repeats=5):
         t0 = time.perf_counter()
         shared.publish(model, version)
         publish.append(1e3 * (time.perf_counter() - t0))
-    pull = results.get(timeout=600)
+    pull = results.get(timeout=600)  # (the child's median)
     child.join(timeout=60)
-    return statistics.median(publish), statistics.median(pull)
+    return statistics.median(publish), pull
 
 
 def _puller(shared, tensors, results, repeats):

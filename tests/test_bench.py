@@ -164,12 +164,23 @@ def test_trl_trainer_gets_the_projects_hyperparameters(tmp_path):
 
 def test_the_memory_plan_estimates_a_steps_peak_within_30_percent():
     """ops/memory.py's trainer estimate of what a step adds (gradients, AdamW state, activations, logits) against the
-    peak a real step adds on CPU, for two model sizes (measured: 1.07 and 1.11 of it on 2026-12-06, docs/scaling.md)."""
+    peak a real step adds on CPU, for two model sizes (measured: 1.02 and 1.11 of it on 2026-12-06, docs/scaling.md)."""
     from bench.memory import plan_check
     checks = plan_check()
     for name, measured, estimated in checks:
         assert abs(estimated / measured - 1) < 0.3, f"{name}: estimate {estimated / 2**20:.0f} MiB, measured {measured / 2**20:.0f}"
     assert checks[1][1] > 4 * checks[0][1], "two sizes that differ"
+
+
+def test_bench_gpu_weights_times_a_publish_and_a_pull_in_each_dtype():
+    """python -m bench.gpu --weights: the trainer publishes and a spawned searcher pulls each version (a small
+    Llama here, RhoMath-1B's shape there), and each side's median is a time."""
+    import torch
+    from bench.gpu import weights_trip
+    for dtype in (torch.float32, torch.bfloat16):
+        publish, pull = weights_trip(dtype, repeats=2, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                     num_attention_heads=2, num_key_value_heads=2, vocab_size=1000)
+        assert 0 < publish < 60_000 and 0 < pull < 60_000, (dtype, publish, pull)
 
 
 def test_bench_gpu_prints_its_table_on_a_cpu_at_small_shapes():
