@@ -156,9 +156,8 @@ def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=2):
     needed = sum(map(tensor_bytes, (policy.state_dict(), ref.state_dict(), opt.state_dict()))) + sum(map(len, records.values()))
     try:
         os.makedirs(root, exist_ok=True)
-        if shutil.disk_usage(root).free < needed:  # (nothing is written when it cannot all be)
-            raise WriteError(f"cannot write {final}: no space left on the device ({mb(needed)} needed, "
-                             f"{mb(shutil.disk_usage(root).free)} free)")
+        if shutil.disk_usage(root).free < needed:  # (nothing is written when it cannot all be; write_error words it)
+            raise OSError(errno.ENOSPC, "No space left on device")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         policy.save_pretrained(os.path.join(tmp, "policy"))

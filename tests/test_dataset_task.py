@@ -17,7 +17,7 @@ import pytest
 
 from config import ConfigError
 from tasks.dataset import DEFAULTS, DatasetConfig, RewardError, RewardScorer, load_reward, make_task, read_rows
-from tests.helpers import ROOT, _tiny_qwen2
+from tests.helpers import ROOT, _tiny_qwen2, read_metrics
 
 REWARDS = '''
 import asyncio
@@ -280,5 +280,5 @@ def test_two_rewards_one_async_with_weights_learn_and_none_is_skipped(own, tmp_p
     out = _run(own, tmp_path / "none", *rewards("half_none"), "--steps", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"warning: \d+ completions that every reward scored None were skipped at step \d+", out.stdout)
-    rows = [json.loads(line) for line in open(tmp_path / "none" / "run" / "metrics.jsonl")]
+    rows = read_metrics(tmp_path / "none", evals=True)
     assert sum(r.get("reward/unscored", 0) for r in rows) > 0 and all(r["reward/batch"] == 1.0 for r in rows if "loss/train" in r)
