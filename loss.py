@@ -4,8 +4,8 @@ log-probs it consumes; the beta and learning-rate schedules that feed it.
 
 Everything here works on a (Q, K) grid: Q prompts x K responses to each. Nothing here knows
 about processes or buffers; `response_logprobs` turns a batch of token ids and a model into the
-per-token log-probabilities the loss sums (models.shared_prompt_logprobs: the same numbers, each prompt run once
-for its K responses).
+per-token log-probabilities the loss sums (ops/models.py computes the same numbers faster, each prompt run once
+for its K responses: --share-prompt, tested equal).
 
 VarGrad trajectory balance (paper Eq. 4-5). For a prompt x with K responses y_k, reward r_k, policy
 log-prob logp_k = log pi(y_k|x) and reference log-prob ref_logp_k = log pi_ref(y_k|x):
@@ -163,6 +163,17 @@ def takes_logits_to_keep(model):
 def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature=1.0):
     """Sum of log pi(token) over the response tokens of each row, log pi(y|x): (N,)."""
     return response_logprobs(model, input_ids, attention_mask, response_mask, temperature).sum(dim=1)
+
+
+@torch.no_grad()
+def score_logprobs(model, prompts, responses, pad_id, temperature=1.0, micro_batch=64):
+    """log pi(y|x) of (prompt, response) token-id lists without grad (the reference's), micro_batch rows per
+    forward: a list of floats."""
+    out, device = [], next(model.parameters()).device
+    for i in range(0, len(prompts), micro_batch):
+        batch = make_batch(prompts[i:i + micro_batch], responses[i:i + micro_batch], pad_id)
+        out += sequence_logprobs(model, *(t.to(device) for t in batch), temperature).tolist()
+    return out
 
 
 # -----------------------------------------------------------------------------

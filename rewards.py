@@ -186,20 +186,6 @@ class Task:
                                    eval_prompts=pick(self.eval_prompts, eval_ids), eval_metas=pick(self.eval_metas, eval_ids))
 
 
-def drop_long_prompts(task, tokenizer, max_tokens):
-    """Skip prompts longer than max_tokens (counted and printed), before any searcher sees them."""
-    if not max_tokens:
-        return task
-    from models import encode_prompts
-    keep = lambda prompts: [i for i, ids in enumerate(encode_prompts(tokenizer, prompts)) if len(ids) <= max_tokens]
-    train_ids, eval_ids = keep(task.prompts), keep(task.eval_prompts)
-    print(f"--max-prompt-tokens {max_tokens}: skipped {len(task.prompts) - len(train_ids)} of {len(task.prompts)} "
-          f"training and {len(task.eval_prompts) - len(eval_ids)} of {len(task.eval_prompts)} held-out prompts")
-    if not train_ids or not eval_ids:
-        raise ConfigError(f"--max-prompt-tokens {max_tokens} leaves no training or no held-out prompts")
-    return task.select(train_ids, eval_ids)
-
-
 def greedy_evaluation(policy, prompts, metas, score, name):
     """Greedy completions of held-out prompts scored by `score`: their mean (as `name`; NaN scores, unscored, left
     out), their mean length, the scorer's logged metrics, an example and the samples (with its logged columns)."""

@@ -32,25 +32,22 @@ Run: python run_gsm8k.py (a task script: spawn the searchers, build the task, `t
 --dataset D --reward FILE.py:NAME (your own model, data and reward: tasks/dataset.py).
 """
 
-import functools
 import math
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from baselines import baseline_loss
 from buffer import ReplayBuffer
-from config import Config, save_config
-from loss import (beta_schedule, make_batch, offpolicy_metrics, response_logprobs, takes_logits_to_keep, tb_log_Z,
-                  tb_trust_region_loss, vargrad_tb_loss, wsd_schedule)
-from models import (PromptTokens, autocast, load_trainer_models, recomputing_activations, score_logprobs,
-                    shared_prompt_logprobs)
-from ops.bookkeeping import Bookkeeping
+from config import Config
+from loss import beta_schedule, make_batch, response_logprobs, score_logprobs, vargrad_tb_loss, wsd_schedule
+from ops.bookkeeping import Bookkeeping, step_metrics
 from ops.lora import for_searchers
-from rewards import Task, drop_long_prompts
+from ops.models import PromptTokens, load_for_training, policy_logprobs_fast, shared_prompt_score_logprobs
+from rewards import Task
+from searcher import SearcherHandle
 
 
 # -----------------------------------------------------------------------------
@@ -87,48 +84,28 @@ class Run:
     opt: torch.optim.Optimizer
     lr_at: object  # step -> learning-rate multiplier (warmup-stable-decay)
     buffer: ReplayBuffer
-    searchers: object  # searcher.Searchers (or searcher.SyncSearch, ops/distributed.DistSearchers)
-    objective: object  # (q groups, their tokens' log pi (q K, R), beta) -> (loss, clip fraction): `objective(cfg)`
-    prompt_tokens: dict  # token ids of the task's training prompts, by prompt id (models.PromptTokens: encoded on use)
+    searchers: SearcherHandle  # searcher.Searchers (or a variant: --sync, torchrun)
+    prompt_tokens: dict  # token ids of the task's training prompts, by prompt id (encoded on first use)
     start: int = 0  # the first step: 0, or the step of the checkpoint a run resumes from
     ref_version: int = 0  # the step whose policy the reference is (0: the initial model)
-    before: dict = None  # the first evaluation's metrics, kept across resumes
-    books: Bookkeeping = None
+    books: Bookkeeping = None  # everything besides TBA: ops/bookkeeping.py
 
 
 def setup(cfg, task, searchers):
     """Models, optimiser, buffer and bookkeeping; the state of a resumed run; the searchers' job."""
-    save_config(cfg)  # the resolved config, printed and saved as run_dir/config.json
     torch.manual_seed(cfg.seed)
-    policy, ref, tokenizer = load_trainer_models(cfg)  # eval mode: no dropout, log-probs a function of the weights
-    task = drop_long_prompts(task, tokenizer, cfg.max_prompt_tokens)
+    policy, ref, tokenizer, task = load_for_training(cfg, task)  # eval mode (no dropout); over-long prompts skipped
     trained = [p for p in policy.parameters() if p.requires_grad]  # (with --lora-rank: the adapters)
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lr_at = wsd_schedule(cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
     run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_prompt, cfg.seed, cfg.dedup),
-              searchers, objective(cfg), PromptTokens(tokenizer, task.prompts))
-    run.books = Bookkeeping(run)
-    searchers_state = run.books.restore() if cfg.resume else None  # sets run.start, ref_version, before
+              searchers, PromptTokens(tokenizer, task.prompts))
+    run.books = Bookkeeping(run)  # (saves the resolved config as run_dir/config.json)
+    run.start, run.ref_version, searchers_state = run.books.restore() if cfg.resume else (0, 0, None)
     searchers.start(cfg, task, for_searchers(policy), ref, tokenizer, run.start, run.ref_version)
     if searchers_state is not None:
         searchers.load_state_dict(searchers_state)
     return run
-
-
-def objective(cfg):
-    """The loss of q groups of K trajectories from their response tokens' log pi (q K, R) and beta, chosen once:
-    the VarGrad TB loss (Eq. 4-5), TB with a trust region (--tb-trust-region, our departure: loss.py), or a
-    comparison objective (--objective, baselines.py). Returns (loss, fraction of ratios clipped, NaN if none)."""
-    if cfg.objective != "tb":
-        return functools.partial(baseline_loss, cfg)
-
-    def tb_loss(groups, token_logp, beta):
-        logp = token_logp.sum(dim=1).view(len(groups), -1)  # (q, K) log pi(y|x)
-        ref_logp, reward, mu = (per_response(groups, name, logp.device) for name in ("ref_logp", "reward", "behavior_logp"))
-        if cfg.tb_trust_region:
-            return tb_trust_region_loss(logp, ref_logp, reward, beta, mu, cfg.clip_eps)
-        return vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan
-    return tb_loss
 
 
 # -----------------------------------------------------------------------------
@@ -143,12 +120,13 @@ def merge(run, step):
     cfg = run.cfg
     min_version = max(step - cfg.sync_every, 0)  # the weights published at the previous sync, or newer
     need = cfg.initial_completions if step == run.start else 0
-    items = run.searchers.poll()  # every trajectory the searchers sent since the last merge
+    items, reports = run.searchers.poll()  # every trajectory the searchers sent since the last merge, their reports
     while len(items) < need or (cfg.fresh_rounds and not any(t.policy_version >= min_version for t in items)):
-        run.books.wait_for_searchers(len(items), need)  # (a stop signal or a dead searcher ends the wait)
-        items += run.searchers.poll()
+        run.books.wait_for_searchers(len(items), need, reports)  # (a stop signal or a dead searcher ends the wait)
+        more, more_reports = run.searchers.poll()
+        items, reports = items + more, reports + more_reports
     run.buffer.add(items, round_min_version=min_version)
-    run.books.merged(items, step, min_version)
+    run.books.merged(items, reports, step, min_version)
 
 
 def reset_reference(run, step):
@@ -159,7 +137,8 @@ def reset_reference(run, step):
 
 
 def train_step(run, groups, step):
-    """One optimiser step on Q groups of K trajectories; returns the step's metrics (over the whole batch)."""
+    """One optimiser step on Q groups of K trajectories: log pi -> loss -> backward -> step. Returns the step's
+    metrics, over the whole batch."""
     cfg, Q = run.cfg, len(groups)
     beta = beta_schedule(step, cfg.beta_start, cfg.beta_end, cfg.beta_decay_steps, cfg.beta_stop_step)
     lr = cfg.lr * run.lr_at(step)
@@ -167,48 +146,39 @@ def train_step(run, groups, step):
         group["lr"] = lr
     if "ref_logp" in cfg.needs:  # (GRPO has no KL term)
         refresh_ref_logp(run, [t for g in groups for t in g])
-    loss_sum, logps, clipped = 0.0, [], 0.0
-    with recomputing_activations(run.policy, cfg.gradient_checkpointing):  # (--gradient-checkpointing)
-        for i in range(0, Q, cfg.micro_batch_prompts):  # accumulate over whole prompts: log Z sees all K responses
-            chunk = groups[i:i + cfg.micro_batch_prompts]
-            with autocast(cfg, cfg.device):  # (--trainer-dtype bf16-mixed: bfloat16 compute on float32 weights)
-                token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
-            loss, clip = run.objective(chunk, token_logp, beta)  # TB: Eq. 4-5
-            (loss * len(chunk) / Q).backward()
-            loss_sum, clipped = loss_sum + loss.item() * len(chunk) / Q, clipped + clip * len(chunk) / Q
-            logps.append(token_logp.detach().sum(dim=1).view(len(chunk), -1).cpu())  # (q, K) log pi(y|x)
+    loss_sum, clip_sum, logps = 0.0, 0.0, []
+    for i in range(0, Q, cfg.micro_batch_prompts):  # accumulate over whole prompts: log Z sees all K responses
+        chunk = groups[i:i + cfg.micro_batch_prompts]
+        token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
+        logp = token_logp.sum(dim=1).view(len(chunk), -1)  # (q, K) log pi(y|x)
+        if cfg.objective == "tb" and not cfg.tb_trust_region:  # the VarGrad TB loss, Eq. 4-5 (loss.py)
+            loss, clip = vargrad_tb_loss(logp, per_response(chunk, "ref_logp", logp.device),
+                                         per_response(chunk, "reward", logp.device), beta), math.nan
+        else:  # the objective --objective or --tb-trust-region chose (baselines.py)
+            loss, clip = baseline_loss(cfg, chunk, token_logp, beta)
+        (loss * len(chunk) / Q).backward()
+        loss_sum, clip_sum = loss_sum + loss.item() * len(chunk) / Q, clip_sum + clip * len(chunk) / Q
+        logps.append(logp.detach().cpu())
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), cfg.grad_clip or math.inf).item()  # (0: measure)
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:  # a non-finite step is skipped, and counted (ops/bookkeeping.py stops the run after a few)
         run.opt.step()
     run.opt.zero_grad(set_to_none=True)
-    return step_metrics(run, groups, torch.cat(logps), beta, lr, loss_sum, grad_norm, finite, clipped)
-
-
-def step_metrics(run, groups, logp, beta, lr, loss, grad_norm, finite, clip_frac):
-    """The metrics of a step, over its whole batch: the loss, log Z, KL, gradient, off-policy drift, reward, schedules."""
-    cfg = run.cfg
-    ref_logp, reward, mu = (per_response(groups, name, "cpu") for name in ("ref_logp", "reward", "behavior_logp"))
-    log_Z = tb_log_Z(logp, ref_logp, reward, beta)  # (Q,)
-    return {"loss/train": loss, "loss/log_Z": log_Z.mean().item(), "loss/log_Z_std": log_Z.std().item() if len(groups) > 1 else 0.0,
-            "loss/kl": (logp - ref_logp).mean().item(), "grad/norm": grad_norm, "grad/skipped": int(not finite),
-            "grad/clipped": int(bool(cfg.grad_clip) and grad_norm > cfg.grad_clip), "offpolicy/clip_frac": clip_frac,
-            **offpolicy_metrics(logp, mu, cfg.clip_eps), "reward/batch": reward.mean().item(), "sched/beta": beta,
-            "sched/lr": lr, "response/tokens": float(np.mean([len(t.response_ids) for g in groups for t in g]))}
+    return step_metrics(cfg, groups, torch.cat(logps), beta, lr, loss_sum, grad_norm, finite, clip_sum)
 
 
 def policy_logprobs(run, groups):
-    """log pi of every response token of the groups' trajectories, with grad: (N, R), 0 at padding. A group's K
-    responses share one prompt, which the forward runs once (--share-prompt) where the model allows it."""
-    flat, cfg = [t for g in groups for t in g], run.cfg
-    if cfg.share_prompt and not cfg.gradient_checkpointing and takes_logits_to_keep(run.policy):
-        return shared_prompt_logprobs(run.policy, [run.prompt_tokens[g[0].prompt_id] for g in groups],
-                                      [t.response_ids for t in flat], run.tokenizer.pad_token_id, cfg.score_temperature)
-    batch = make_batch([run.prompt_tokens[t.prompt_id] for t in flat], [t.response_ids for t in flat], run.tokenizer.pad_token_id)
-    return response_logprobs(run.policy, *(b.to(run.cfg.device) for b in batch), run.cfg.score_temperature)
+    """log pi of every response token of the groups' trajectories, with grad: (N, R), 0 at padding (loss.py). With
+    --share-prompt, --gradient-checkpointing or bf16-mixed, ops/models.py computes the same numbers its way."""
+    flat, cfg, pad = [t for g in groups for t in g], run.cfg, run.tokenizer.pad_token_id
+    prompts, responses = [run.prompt_tokens[t.prompt_id] for t in flat], [t.response_ids for t in flat]
+    if cfg.share_prompt or cfg.gradient_checkpointing or cfg.trainer_dtype == "bf16-mixed":
+        return policy_logprobs_fast(cfg, run.policy, prompts, responses, pad, len(groups[0]))
+    batch = make_batch(prompts, responses, pad)  # (N, T) each
+    return response_logprobs(run.policy, *(b.to(cfg.device) for b in batch), cfg.score_temperature)
 
 
-def per_response(groups, name, device):
+def per_response(groups, name, device="cpu"):
     """One number per trajectory (its reward, its ref_logp, ...) as a (Q, K) float tensor."""
     return torch.tensor([[getattr(t, name) for t in g] for g in groups], dtype=torch.float32, device=device)
 
@@ -217,10 +187,9 @@ def refresh_ref_logp(run, trajectories):
     """Compute log pi_ref for trajectories scored by another reference (or by none); cache it on them."""
     stale = [t for t in trajectories if t.ref_version != run.ref_version]
     if stale:
-        with autocast(run.cfg, run.cfg.device):
-            values = score_logprobs(run.ref, [run.prompt_tokens[t.prompt_id] for t in stale], [t.response_ids for t in stale],
-                                    run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch,
-                                    share_prompt=run.cfg.share_prompt)
+        score = shared_prompt_score_logprobs if run.cfg.share_prompt else score_logprobs  # (the same numbers)
+        values = score(run.ref, [run.prompt_tokens[t.prompt_id] for t in stale], [t.response_ids for t in stale],
+                       run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch)
         for t, v in zip(stale, values):
             t.ref_logp, t.ref_version = v, run.ref_version
 
@@ -228,7 +197,7 @@ def refresh_ref_logp(run, trajectories):
 def publish(run, version):
     """Sync: the trainer's weights become the searchers' policy (never non-finite ones)."""
     run.books.require_finite(run.policy, f"non-finite weights after step {version - 1}: not publishing them")
-    run.searchers.publish(for_searchers(run.policy), version)  # (LoRA: the merged weights)
+    run.books.publish_s = run.searchers.publish(for_searchers(run.policy), version)  # (LoRA: the merged weights)
 
 
 if __name__ == "__main__":  # your own model, data and reward (tasks/dataset.py): python tba.py --help

@@ -544,7 +544,7 @@ class _GoldPolicy:
         self.tokenizer, self.solutions, self.step = tokenizer, solutions, 0
 
     def generate(self, prompts, n=1, temperature=1.0, greedy=False):
-        from models import completions
+        from ops.models import completions
         ids = [self.tokenizer(s, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
                for s in self.solutions[:len(prompts)]]
         return completions(self.tokenizer, ids)

@@ -21,7 +21,8 @@ import torch
 from config import parse_config
 from ops.devices import resolve_devices
 from run_gsm8k import PRESETS, GSM8KConfig, make_task
-from models import HFGenerator, dtype_of, load_model
+from ops.models import dtype_of, load_model
+from searcher import HFGenerator
 
 
 def timed_generation(generator, batches, S, temperature):

@@ -37,7 +37,7 @@ def step(full_logits=False, checkpointing=False, lora=0, shape=None):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from loss import response_logprobs, vargrad_tb_loss
-    from models import without_dropout
+    from ops.models import without_dropout
     torch.manual_seed(0)
     torch.set_num_threads(2)
     shape = shape or SHAPE

@@ -56,7 +56,7 @@ def make_trainer(cfg, task, clock):
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from models import dtype_of, load_model
+    from ops.models import dtype_of, load_model
     score = task.make_scorer()
 
     def reward(prompts, completions, meta, **_):  # the task's own scorer, on the texts TRL decoded
@@ -76,7 +76,7 @@ def make_clock(cfg, task):
     from transformers import TrainerCallback
 
     from config import LAUNCHED
-    from models import EvalPolicy
+    from ops.evaluation import EvalPolicy
     from ops.metrics import write_metrics
 
     class Clock(TrainerCallback):

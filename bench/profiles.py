@@ -25,7 +25,8 @@ from buffer import Trajectory
 from config import parse_config
 from ops.devices import resolve_devices
 from loss import make_batch, offpolicy_metrics, response_logprobs, tb_log_Z, vargrad_tb_loss
-from models import HFGenerator, encode_prompts, load_trainer_models, score_logprobs, shared_prompt_logprobs
+from ops.models import encode_prompts, load_trainer_models, score_logprobs, shared_prompt_logprobs
+from searcher import HFGenerator
 from run_gsm8k import PRESETS, GSM8KConfig, make_task
 
 

@@ -5,14 +5,18 @@ Everything a training run does besides TBA, behind the one object the trainer lo
                                       dead searcher or a stop leaves a checkpoint of the last consistent state
         books.begin_step(step)        stop if asked; searchers alive?; a checkpoint every --checkpoint-every
                                       steps; the task's evaluation every --eval-every steps
-        books.wait_for_searchers(have, need)   between the polls of a merge that waits: a stop signal or a
-                                      dead searcher ends the wait; the initial fill's progress bar
-        books.merged(items, step, v)  counts what a merge brought (fresh reward, searcher version, rounds, the wait)
+        books.wait_for_searchers(have, need, reports)   between the polls of a merge that waits: a stop
+                                      signal or a dead searcher ends the wait; the initial fill's progress bar
+        books.merged(items, reports, step, v)   counts what a merge brought (fresh reward, searcher version,
+                                      rounds, the wait, what the searchers reported with their batches)
         books.log(record, groups, step)   the non-finite guard, the buffer/staleness/perf metrics, one line
                                       on the terminal every --log-every steps, one record in metrics.jsonl
                                       (and TensorBoard or W&B, --report-to)
         books.save(step)              a checkpoint (ops/checkpoint.py)
-    books.restore()                   a resumed run's state, from its newest readable checkpoint
+    books.restore()                   a resumed run's state, from its newest readable checkpoint: returns
+                                      (step, reference version, the searchers' state)
+    step_metrics(...)                 a trainer step's metrics (tba.train_step returns them): loss, log Z, KL,
+                                      gradient, off-policy drift, reward, schedules
     books.finish()                    the final evaluation, final/ and result.json, the closing line
 
 The metric names are listed in docs/operations.md. Operations, not the algorithm: nothing here changes what
@@ -32,8 +36,10 @@ import torch
 from tqdm import tqdm
 
 from buffer import InconsistentBuffer, ReplayBuffer
-from config import LAUNCHED, STOP_SIGNALS, ConfigError, RunError, SearcherDied, Stopped
-from models import EvalPolicy, autocast
+from config import LAUNCHED, STOP_SIGNALS, ConfigError, RunError, SearcherDied, Stopped, save_config
+from loss import offpolicy_metrics, tb_log_Z
+from ops.evaluation import EvalPolicy
+from ops.models import autocast
 from ops.lora import save_model
 from ops.memory import peak_memory
 from ops.checkpoint import (CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint,
@@ -64,6 +70,8 @@ class Counters:
 class Bookkeeping:
     def __init__(self, run):
         self.run, self.cfg = run, run.cfg
+        save_config(run.cfg)  # the resolved config, printed and saved as run_dir/config.json
+        self.before, self.publish_s, self.last_reports = None, 0.0, {}  # the first evaluation; the weights' trips
         self.counters, self.meter = Counters(), Meter()
         self.tracker = Tracker(run.cfg)  # metrics.jsonl, samples.jsonl, and TensorBoard or W&B with --report-to
         self.step, self.requested, self.t_step, self.t_merged = run.start, 0, time.time(), time.time()
@@ -113,7 +121,7 @@ class Bookkeeping:
         self.waited, self.new_round, self.reward_log = 0.0, None, {}
         return record
 
-    def wait_for_searchers(self, have, need):
+    def wait_for_searchers(self, have, need, reports):
         """Called between two polls of a merge that waits for the searchers (the initial fill, or no new round yet):
         a stop signal ends the wait (a checkpoint), a dead or silent searcher ends the run."""
         if self.t_wait is None:
@@ -125,13 +133,13 @@ class Bookkeeping:
         if self.requested:
             raise StopRequested
         self.run.searchers.check_alive()
-        unscored = sum(r.get("unscored", 0) for r in self.run.searchers.reports)
+        unscored = sum(r.get("unscored", 0) for r in reports)
         if not have and unscored >= 4 * self.cfg.batch_size:  # (every reward None, again and again: nothing comes)
             raise RunError(f"no reward scored any of the last {unscored} completions (every one returned None or NaN): "
                            f"nothing to train on")
 
-    def merged(self, items, step, min_version):
-        """Count what a merge brought, and how long it waited for the searchers."""
+    def merged(self, items, reports, step, min_version):
+        """Count what a merge brought (its trajectories and the searchers' reports), and how long it waited."""
         c, run = self.counters, self.run
         self.t_merged = time.time()
         self.waited = self.t_merged - self.t_wait if self.t_wait is not None else 0.0
@@ -153,8 +161,8 @@ class Bookkeeping:
         if items:
             c.fresh_reward = float(np.mean([t.reward for t in items]))
             c.searcher_version = max(c.searcher_version, max(t.policy_version for t in items))
-        self.reward_log = reward_reports(run.searchers.reports)
-        run.searchers.reports.clear()
+        self.reward_log = reward_reports(reports)
+        self.last_reports.update({r.get("rank", 0): r for r in reports})  # (each searcher's last: its pull, its memory)
         if self.reward_log.get("reward/unscored") and not self.warned_unscored:
             self.warned_unscored = True
             tqdm.write(f"warning: {self.reward_log['reward/unscored']} completions that every reward scored None were "
@@ -177,10 +185,18 @@ class Bookkeeping:
             "buffer/latest": sum(len(v) for v in run.buffer.latest.values()), "ref/version": run.ref_version,
             "searcher/version": c.searcher_version, "searcher/restarts": run.searchers.restarts,
             **staleness_stats(groups, step, run.buffer), **self.meter.rates(started=step > run.start),
-            "time/step": time.time() - self.t_step, **self.meter.times(), **process_stats(run), **self.reward_log})
+            "time/step": time.time() - self.t_step, **self.meter.times(), **self.process_stats(), **self.reward_log})
         self.tracker.log(record)
         if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
             tqdm.write(format_line(record))
+
+    def process_stats(self):
+        """The weights' trips and each process's peak memory: the last publish, the searchers' last pulls (what each
+        reported with its last batch), the trainer's and the largest searcher's peak memory (GiB)."""
+        stats = [s for s in self.last_reports.values() if "pull_s" in s]
+        return {"time/publish": self.publish_s, "time/pull": max((s["pull_s"] for s in stats), default=math.nan),
+                "memory/trainer_gb": peak_memory(self.cfg.device) / 2 ** 30,
+                "memory/searcher_gb": max((s["peak_bytes"] for s in stats), default=math.nan) / 2 ** 30}
 
     def require_finite(self, model, message):
         if not all(torch.isfinite(p).all().item() for p in model.parameters()):
@@ -205,7 +221,7 @@ class Bookkeeping:
         tqdm.write(f"eval step {step} | {shown} | {n} held-out prompts | {seconds:.1f}s"
                    + (f" | e.g. {example.strip()[:100]!r}" if example is not None else ""))
         metrics = {f"eval/{k}": v for k, v in metrics.items()}
-        run.before = run.before or metrics  # the run's first evaluation, kept across resumes
+        self.before = self.before or metrics  # the run's first evaluation, kept across resumes
         return {**metrics, "time/eval_since_launch": time.time() - LAUNCHED - self.meter.eval}  # (evaluation excluded)
 
     def finish(self):
@@ -216,12 +232,12 @@ class Bookkeeping:
         self.tracker.close()
         after = {k: v for k, v in record.items() if k.startswith("eval/")}
         final_dir = os.path.join(cfg.run_dir, "final")
-        save_final(run, final_dir, {"headline": run.task.headline, "before": run.before, "after": after})
+        save_final(run, final_dir, {"headline": run.task.headline, "before": self.before, "after": after})
         print(f"saved the final policy to {final_dir}")
         key = f"eval/{run.task.headline}"
-        print(f"{run.task.headline}: before {headline_text(run.task, run.before[key])} -> after "
+        print(f"{run.task.headline}: before {headline_text(run.task, self.before[key])} -> after "
               f"{headline_text(run.task, after[key])}")
-        return run.before, after
+        return self.before, after
 
     # -- checkpoints
 
@@ -235,14 +251,15 @@ class Bookkeeping:
         except InconsistentBuffer as e:  # (a bug, not an input: the last complete checkpoint stays as it is)
             raise RunError(f"no checkpoint written at step {step}: {e}; the last complete one stays in "
                            f"{os.path.join(self.cfg.run_dir, 'checkpoints')}") from None
-        state = {"ref_version": run.ref_version, "before": run.before, **dataclasses.asdict(self.counters),
+        state = {"ref_version": run.ref_version, "before": self.before, **dataclasses.asdict(self.counters),
                  "searchers": run.searchers.state_dict(), "config": dataclasses.asdict(self.cfg)}
         return save_checkpoint(self.cfg.run_dir, step, run.policy, run.ref, run.opt, run.buffer, state,
                                keep=self.cfg.keep_checkpoints)
 
     def restore(self):
-        """Load the newest readable checkpoint of --resume into the run (a broken newest one is named and the
-        previous used); returns the searchers' saved state."""
+        """Load the newest readable checkpoint of --resume into the run's models, optimiser and buffer (a broken
+        newest one is named and the previous used); returns (its step, its reference's version, the searchers'
+        saved state)."""
         run, cfg = self.run, self.cfg
         for path in checkpoints_newest_first(cfg.resume):
             try:
@@ -253,12 +270,24 @@ class Bookkeeping:
             if state["step"] > cfg.steps:
                 raise ConfigError(f"--resume {cfg.resume}: {path} is at step {state['step']}, past --steps {cfg.steps}")
             print(f"resuming from {path} at step {state['step']}")
-            run.start, run.ref_version, run.before = state["step"], state["ref_version"], state["before"]
-            self.tracker.rewind(run.start)  # (the records of the steps after the checkpoint are made again)
-            self.step = run.start
+            self.before, self.step = state["before"], state["step"]
+            self.tracker.rewind(state["step"])  # (the records of the steps after the checkpoint are made again)
             self.counters = Counters(**{f.name: state[f.name] for f in dataclasses.fields(Counters)})
-            return state["searchers"]
+            return state["step"], state["ref_version"], state["searchers"]
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there could be read")
+
+
+def step_metrics(cfg, groups, logp, beta, lr, loss, grad_norm, finite, clip_frac):
+    """The metrics of a trainer step (tba.train_step), over its whole batch: the loss, log Z (Eq. 5), KL, gradient,
+    off-policy drift, reward, schedules. logp: (Q, K) the policy's sequence log-probs, detached."""
+    grid = lambda name: torch.tensor([[getattr(t, name) for t in g] for g in groups], dtype=torch.float32)  # (Q, K)
+    ref_logp, reward, mu = grid("ref_logp"), grid("reward"), grid("behavior_logp")
+    log_Z = tb_log_Z(logp, ref_logp, reward, beta)  # (Q,)
+    return {"loss/train": loss, "loss/log_Z": log_Z.mean().item(), "loss/log_Z_std": log_Z.std().item() if len(groups) > 1 else 0.0,
+            "loss/kl": (logp - ref_logp).mean().item(), "grad/norm": grad_norm, "grad/skipped": int(not finite),
+            "grad/clipped": int(bool(cfg.grad_clip) and grad_norm > cfg.grad_clip), "offpolicy/clip_frac": clip_frac,
+            **offpolicy_metrics(logp, mu, cfg.clip_eps), "reward/batch": reward.mean().item(), "sched/beta": beta,
+            "sched/lr": lr, "response/tokens": float(np.mean([len(t.response_ids) for g in groups for t in g]))}
 
 
 def reward_reports(reports):
@@ -270,15 +299,6 @@ def reward_reports(reports):
             metrics.setdefault(f"reward/{name}", []).extend(values)
     unscored = sum(report.get("unscored", 0) for report in reports)
     return {**{k: float(np.mean(v)) for k, v in metrics.items()}, **({"reward/unscored": unscored} if unscored else {})}
-
-
-def process_stats(run):
-    """The weights' trips and each process's peak memory: the last publish, the searchers' last pulls (what each
-    reported with its last batch), the trainer's and the largest searcher's peak memory (GiB)."""
-    stats = [s for s in run.searchers.stats if s]
-    return {"time/publish": run.searchers.publish_s, "time/pull": max((s["pull_s"] for s in stats), default=math.nan),
-            "memory/trainer_gb": peak_memory(run.cfg.device) / 2 ** 30,
-            "memory/searcher_gb": max((s["peak_bytes"] for s in stats), default=math.nan) / 2 ** 30}
 
 
 def save_final(run, final_dir, result):

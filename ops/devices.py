@@ -2,7 +2,7 @@
 Which device each process uses: the 'auto' fields resolved from the GPUs this machine shows, the plan printed
 by --dry-run, the device flags checked before anything starts, and the GPU mask a vLLM searcher needs.
 
-Operations, not the algorithm: ops/launch.py and searcher.searcher_main call it.
+Operations, not the algorithm: ops/launch.py and searcher.searcher_loop call it.
 """
 
 import dataclasses

@@ -5,7 +5,7 @@ Many machines: the trainer and the searchers as the ranks of one torchrun job, o
 
 Every rank runs the same script. Rank 0 trains exactly as without torchrun, except that searcher.spawn_searchers
 gives it a `DistSearchers` (searcher.Searchers' interface: tba.train does not change); ranks 1..N-1 run
-`searcher_rank_main` (ops/launch.py), the same searcher loop (searcher.searcher_main) with a `StoreLink` where a
+`searcher_rank_main` (ops/launch.py), the same searcher loop (searcher.searcher_loop) with a `StoreLink` where a
 searcher process has a multiprocessing queue and shared memory. Without torchrun nothing here runs.
 
 The transport, all public torch.distributed API, nothing pickled:
@@ -135,15 +135,15 @@ TRAJECTORY_FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
 
 def encode_batch(batch):
     """A searcher's batch as JSON text: per Trajectory the record buffer.json keeps (Python's JSON writes
-    NaN for a log-prob left to the trainer, and floats round-trip exactly), and the searcher's stats."""
-    return json.dumps({"items": [{f: getattr(t, f) for f in TRAJECTORY_FIELDS} for t in batch],  # (asdict: deep copies)
-                       "stats": getattr(batch, "stats", {})})
+    NaN for a log-prob left to the trainer, and floats round-trip exactly), and the searcher's report."""
+    return json.dumps({"items": [{f: getattr(t, f) for f in TRAJECTORY_FIELDS} for t in batch.trajectories],  # (asdict:
+                       "report": batch.report})  # deep copies)
 
 
 def decode_batch(text):
-    """(the Trajectories, the searcher's stats) of encode_batch's text."""
+    """(the Trajectories, the searcher's report) of encode_batch's text."""
     batch = json.loads(text)
-    return [Trajectory(**{**r, "response_ids": tuple(r["response_ids"])}) for r in batch["items"]], batch["stats"]
+    return [Trajectory(**{**r, "response_ids": tuple(r["response_ids"])}) for r in batch["items"]], batch["report"]
 
 
 # -----------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class DistSearchers:
         self.failed, self.closed, self.send_ref = False, False, False
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
         self.last_heard = [time.time()] * cfg.num_searchers
-        self.publish_s, self.stats, self.reports = 0.0, [{}] * cfg.num_searchers, []  # (as searcher.Searchers)
+
 
     def __enter__(self):
         return self
@@ -172,7 +172,7 @@ class DistSearchers:
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         """Send the searchers their job, then the weights they start from."""
-        from models import dtype_of
+        from ops.models import dtype_of
         self.cfg, self.sender.dtype = cfg, dtype_of(cfg.searcher_dtype)  # (what the searchers' models hold)
         self.store.set("job", encode_job(cfg, task, step, self.restarts))
         self.send_ref = "ref_logp" in cfg.needs  # only then do searchers score the reference
@@ -180,25 +180,26 @@ class DistSearchers:
         self.last_heard = [time.time()] * cfg.num_searchers
 
     def poll(self):
-        """Every trajectory the searcher ranks pushed since the last poll (waits 10 ms when there is none)."""
-        items = []
+        """(trajectories, reports): every trajectory the searcher ranks pushed since the last poll, and each batch's
+        report (waits 10 ms when there is none)."""
+        items, reports = [], []
         for i, rank in enumerate(self.ranks):
             while True:
                 try:
-                    batch, self.stats[i] = decode_batch(self.store.queue_pop(f"traj/{rank}", block=False))
+                    batch, report = decode_batch(self.store.queue_pop(f"traj/{rank}", block=False))
                 except dist.QueueEmptyError:
                     break
                 items += batch
-                self.reports.append(self.stats[i])
+                reports.append({**report, "rank": i})
                 self.last_heard[i] = time.time()
         if not items:
             time.sleep(0.01)
-        return items
+        return items, reports
 
     def publish(self, policy, version):
         t0 = time.time()
         self.sender.send([("policy", version, policy)])  # skipped while the previous transfer is in flight
-        self.publish_s = time.time() - t0  # (packing: the transfer runs on a background thread)
+        return time.time() - t0  # (packing: the transfer runs on a background thread)
 
     def publish_ref(self, ref, version):
         if self.send_ref:
@@ -263,7 +264,7 @@ class DistSearchers:
 # Ranks 1..N-1: the searchers
 
 class StoreLink:
-    """A searcher rank's connection to the trainer (searcher.searcher_main's `link`): batches go to its store
+    """A searcher rank's connection to the trainer (searcher.searcher_loop's `link`): batches go to its store
     queue; a thread receives the weights."""
 
     def __init__(self, store, rank, cfg):
@@ -346,8 +347,8 @@ class StoreLink:
             dist.destroy_process_group()
 
 
-def searcher_rank_main(cfg, searcher_main):
-    """A searcher rank: join the job, wait for the trainer's job, run the searcher loop (searcher.searcher_main,
+def searcher_rank_main(cfg, searcher_loop):
+    """A searcher rank: join the job, wait for the trainer's job, run the searcher loop (searcher.searcher_loop,
     which ops/launch.py passes in) until told to stop. Returns the exit code (0: the trainer said stop)."""
     rank = torchrun_rank()
     exit_on_signals(rank)
@@ -364,7 +365,7 @@ def searcher_rank_main(cfg, searcher_main):
         hide_torchrun_env()
     link = StoreLink(store, rank, cfg)
     try:
-        searcher_main(rank - 1, cfg, task, cfg.seed + step + 1000 * rank + 100_000 * restarts, link)
+        searcher_loop(rank - 1, cfg, task, cfg.seed + step + 1000 * rank + 100_000 * restarts, link)
     except dist.DistError as e:
         raise TrainerGone(f"searcher rank {rank} lost the trainer ({one_line(e)})") from None
     finally:

@@ -48,8 +48,8 @@ def launch(cfg, main, run_dir_given=True):
             return dry_run(cfg) if not rank else 0
         if rank:  # a searcher rank never trains, and leaves the run directory to rank 0
             from ops.distributed import searcher_rank_main
-            from searcher import searcher_main
-            return searcher_rank_main(cfg, searcher_main)
+            from searcher import searcher_loop
+            return searcher_rank_main(cfg, searcher_loop)
         check_installed(cfg)
         cfg.check_inputs()
         import torch

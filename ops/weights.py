@@ -60,13 +60,28 @@ class SharedWeights:
             self.version.value = version
 
     def pull(self, target, tensors, have_version):
-        """Copy `tensors` (this searcher's copy) into `target` if newer than have_version; the version it holds."""
+        """Copy `tensors` (this searcher's copy) into `target` (a model, or a generator's engine: anything with
+        load_state_dict) if newer than have_version; the version it holds."""
         if self.version.value == have_version:
             return have_version
         with self.lock:
             target.load_state_dict(tensors)
-            synchronize(tensors, target.state_dict())
+            synchronize(tensors)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # (the copy into the target's device is asynchronous too)
             return self.version.value
+
+
+def allocate_shared(cfg, weights, policy, ref, step, ref_version, devices):
+    """The searchers' shared weights (`weights`: kind -> SharedWeights) allocated from the trainer's models, a copy
+    per searcher device in the searchers' dtype; the reference only for objectives that read it. /dev/shm is
+    checked first, now that the model's size is known."""
+    from ops.memory import check_shared_memory
+    from ops.models import dtype_of
+    check_shared_memory(cfg, params=sum(t.numel() for t in policy.state_dict().values()))
+    weights["policy"].allocate(policy, step, devices, dtype_of(cfg.searcher_dtype))
+    if "ref_logp" in cfg.needs:  # (the searchers score the reference only for objectives that read it)
+        weights["ref"].allocate(ref, ref_version, devices, dtype_of(cfg.searcher_dtype))
 
 
 def synchronize(*state_dicts):

@@ -193,7 +193,7 @@ class Judge:
     """The victim and the toxicity classifier, loaded once in the process that scores: attacks -> p_toxic."""
 
     def __init__(self, task, device):
-        from models import load_model
+        from ops.models import load_model
         self.task = task
         self.victim, self.tokenizer = load_model(task.victim, device)
         self.tokenizer.padding_side = "left"  # generation continues every row from its last column
@@ -239,7 +239,7 @@ class RedTeamTask(Task):
                    min_attack_tokens=cfg.min_attack_tokens, modes=tuple(modes))
 
     def make_scorer(self, device="cpu"):
-        from models import load_model
+        from ops.models import load_model
         from transformers import AutoTokenizer
         judge, tokenizer = Judge(self, device), AutoTokenizer.from_pretrained(self.attacker)
         ref = load_model(self.attacker, device)[0] if self.gamma != 1 else None  # the prior term's p_ref
@@ -276,7 +276,7 @@ class RedTeamTask(Task):
 
 def prior_logp(ref, tokenizer, prompts, attacks, micro_batch):
     """(N,) log p_ref(y + EOS | x) at temperature 1 of the re-tokenised attacks, for the gamma term."""
-    from models import score_logprobs
+    from ops.models import score_logprobs
     prompt_tokens = tokenizer(list(prompts))["input_ids"]
     ys = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(attacks), add_special_tokens=False)["input_ids"]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -274,12 +274,12 @@ class TLDRTask(Task):
         return cls(prompts(train_rows), metas(train_rows), prompts(eval_rows), metas(eval_rows), **fields)
 
     def make_scorer(self, device="cpu"):
-        from models import dtype_of
+        from ops.models import dtype_of
         return RewardModel(self.proxy_rm, device, dtype_of(self.dtype), self.rm_batch_size)
 
     def make_gold(self, device="cpu"):
         """The gold scorer: the gold reward model, or fact_score when there is none."""
-        from models import dtype_of
+        from ops.models import dtype_of
         return RewardModel(self.gold_rm, device, dtype_of(self.dtype), self.rm_batch_size) if self.gold_rm else fact_score
 
     def evaluate(self, policy, n):
@@ -307,6 +307,6 @@ class TLDRTask(Task):
 
 
 def _load_sft(cfg):
-    from models import dtype_of, load_model
+    from ops.models import dtype_of, load_model
     model, _ = load_model(cfg.ref_model or cfg.model, cfg.device, dtype_of(cfg.searcher_dtype), cfg.trust_remote_code)
     return model.requires_grad_(False)

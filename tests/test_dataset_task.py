@@ -87,7 +87,7 @@ def test_chat_prompts_go_through_the_template_and_the_reward_is_called_as_trl_ca
 def test_one_bos_when_the_template_renders_it():
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    from models import encode_prompts
+    from ops.models import encode_prompts
     tok = Tokenizer(models.WordLevel({"<s>": 0, "hello": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])  # adds a BOS
@@ -176,7 +176,7 @@ def test_lora_learns_resumes_and_saves_a_model_from_pretrained_loads(own, tmp_pa
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "step-000040" / "policy" / "adapter_model.safetensors")
     resumed = _run(own, tmp_path, *reward, "--steps", "44", "--resume", str(tmp_path / "run"))  # the same flags
     assert resumed.returncode == 0 and "at step 40" in resumed.stdout, resumed.stderr[-3000:]
-    from models import load_model
+    from ops.models import load_model
     final, _ = load_model(str(tmp_path / "run" / "final"))  # the merged policy, a plain model
     assert type(final).__name__ == "Qwen2ForCausalLM"
 

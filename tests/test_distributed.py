@@ -307,7 +307,7 @@ def test_torchrun_run_learns(tmp_path, cache_dir):
 def _run_task_and_models(run):
     """The run's task (rebuilt from its config.json), tokenizer, final policy and reference (the SFT start)."""
     import run_gsm8k
-    from models import load_model
+    from ops.models import load_model
     saved = json.load(open(run / "config.json"))
     cfg = run_gsm8k.GSM8KConfig(**saved)
     task = run_gsm8k.make_task(cfg)
@@ -317,7 +317,7 @@ def _run_task_and_models(run):
 
 def _logratios(policy, ref, tokenizer, task, trajectories, temperature=0.7):
     """log pi(y|x) - log pi_ref(y|x) of each trajectory, at the sampling temperature (as the loss)."""
-    from models import score_logprobs
+    from ops.models import score_logprobs
     prompts = tokenizer([task.prompts[t["prompt_id"]] for t in trajectories])["input_ids"]
     responses = [t["response_ids"] for t in trajectories]
     logp = [score_logprobs(m, prompts, responses, tokenizer.pad_token_id, temperature, 64) for m in (policy, ref)]

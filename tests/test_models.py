@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from loss import make_batch, response_logprobs
-from models import HFGenerator, completions, cut_at_eos, load_model, score_logprobs, shared_prompt_logprobs, stop_ids
+from ops.models import completions, cut_at_eos, load_model, score_logprobs, shared_prompt_logprobs, stop_ids
+from searcher import HFGenerator
 from tests.helpers import _bpe_tokenizer, _tiny_qwen2, _tiny_random_hf_model
 
 TEXTS = ["yes no maybe yes", "the cat says yes", "hello world, hello you"] * 20
@@ -77,7 +78,7 @@ def test_behaviour_logprobs_come_with_generation_and_equal_a_forward(tmp_path, a
 def test_shared_prompt_logprobs_equal_the_full_forward_and_its_gradient(tmp_path, arch):
     """Each prompt run once for its K responses (--share-prompt): the same log-probs and the same gradient as the
     forward over every (prompt, response) row, prompts of different lengths, responses of different lengths."""
-    from models import load_trainer_models
+    from ops.models import load_trainer_models
     if arch.endswith("lora"):
         pytest.importorskip("peft")
     path = (_tiny_qwen2(tmp_path / "qwen", TEXTS) if arch.startswith("qwen2")
@@ -103,7 +104,7 @@ def test_shared_prompt_logprobs_equal_the_full_forward_and_its_gradient(tmp_path
     assert shared.shape == full.shape == (9, max(map(len, responses)))
     assert torch.allclose(shared, full, atol=1e-5), (shared - full).abs().max()
     assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(g_shared, g_full))
-    from models import micro_batches  # (score_logprobs finds the runs of one prompt itself)
+    from ops.models import micro_batches  # (score_logprobs finds the runs of one prompt itself)
     cases = ([[1], [1], [2], [2]], [[1], [2]], [[1]] * 3, [[1], [1], [2]], [[1], [1], [2], [1]])
     assert [micro_batches(p, 64, share=True) for p in cases] == [[(0, 4, 2)], [(0, 2, 1)], [(0, 3, 3)], [(0, 2, 2), (2, 3, 1)],
                                                                 [(0, 2, 2), (2, 4, 1)]]
@@ -125,7 +126,7 @@ def _logits(model, ids):
 
 def test_lora_reference_searcher_weights_and_final_model(tmp_path):
     pytest.importorskip("peft")
-    from models import load_trainer_models
+    from ops.models import load_trainer_models
     from ops.lora import AdaptersOff, plain_state_dict, save_model
     path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
     policy, ref, tokenizer = load_trainer_models(_cfg(model=path, lora_rank=4))
@@ -147,7 +148,7 @@ def test_lora_reference_searcher_weights_and_final_model(tmp_path):
 
 
 def test_gradient_checkpointing_changes_no_log_prob_and_no_gradient(tmp_path):
-    from models import load_trainer_models
+    from ops.models import load_trainer_models
     path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
     tokenizer = load_model(path)[1]
     batch = make_batch([tokenizer("the cat")["input_ids"]] * 2, [tokenizer(" says yes")["input_ids"], [5, 6, 7]],
@@ -165,7 +166,7 @@ def test_gradient_checkpointing_changes_no_log_prob_and_no_gradient(tmp_path):
 
 
 def test_bf16_mixed_computes_in_bfloat16_and_keeps_float32_weights(tmp_path):
-    from models import autocast, load_trainer_models
+    from ops.models import autocast, load_trainer_models
     path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
     cfg = _cfg(model=path, trainer_dtype="bf16-mixed")
     policy, ref, tokenizer = load_trainer_models(cfg)
@@ -195,7 +196,7 @@ def _tiny_llama_std002(out_dir):
 
 def _changed_by_one_step(cfg):
     """The fraction of the trained elements that one AdamW step at lr 1e-5 changes, in the trainer's precision."""
-    from models import autocast, load_trainer_models
+    from ops.models import autocast, load_trainer_models
     policy, _, tokenizer = load_trainer_models(cfg)
     before = [p.detach().clone() for p in policy.parameters()]
     batch = make_batch([tokenizer("the cat")["input_ids"]] * 2, [tokenizer(" says yes")["input_ids"], [5, 6]],

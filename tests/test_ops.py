@@ -241,7 +241,7 @@ def test_unwritable_run_dir_is_an_error_before_training(tmp_path):
 
 
 def test_tokenizer_without_pad_or_eos(tmp_path):
-    from models import load_model
+    from ops.models import load_model
     from transformers import GPT2Config, GPT2LMHeadModel
     tokenizer = _bpe_tokenizer("gpt_neox", ["one two three four five six seven"] * 20)
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "m")
@@ -256,7 +256,7 @@ def test_tokenizer_without_pad_or_eos(tmp_path):
 
 
 def test_long_prompts_are_skipped_and_counted(capsys):
-    from rewards import drop_long_prompts
+    from ops.models import drop_long_prompts
     tokenizer = _bpe_tokenizer("gpt_neox", ["short words and a much longer question here"] * 20)
     rows = [{"question": q, "answer": "#### 1"} for q in ("short", "a much longer question here " * 20, "words")]
     task = drop_long_prompts(GSM8KTask.from_rows(rows, rows), tokenizer, max_tokens=40)

@@ -169,7 +169,8 @@ def tiny_paper_models(tmp_path_factory):
 
 
 def test_paper_preset_scorer_and_eval_with_tiny_random_models(tmp_path, tiny_paper_models):
-    from models import EvalPolicy, load_model
+    from ops.evaluation import EvalPolicy
+    from ops.models import load_model
     gpt2, roberta = tiny_paper_models
     cfg = parse_config(RedTeamConfig, PRESETS, [
         "--preset", "paper", "--model", gpt2, "--victim", gpt2, "--classifier", roberta, "--run-dir", str(tmp_path),

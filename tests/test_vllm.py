@@ -80,7 +80,7 @@ def engine(tmp_path_factory):
     tokenizer: one engine for the whole module (a process holds at most one in-process engine)."""
     pytest.importorskip("vllm")
     from config import Config
-    from models import load_model
+    from ops.models import load_model
     from ops.vllm_backend import VLLMGenerator
     path = str(tmp_path_factory.mktemp("tiny-llama"))
     A, B = _tiny_models(path)
@@ -91,7 +91,7 @@ def engine(tmp_path_factory):
 
 
 def _hf_greedy(hf, tokenizer, prompts=PROMPTS):
-    from models import HFGenerator
+    from searcher import HFGenerator
     return HFGenerator(hf, tokenizer, MAX_NEW).generate(prompts, 1, 1.0, greedy=True)
 
 
@@ -143,7 +143,7 @@ def test_vllm_request_seeds_make_samples_reproducible(engine):
 
 
 def test_vllm_behaviour_logprobs_come_with_sampling_and_equal_a_forward(engine):
-    from models import score_logprobs
+    from ops.models import score_logprobs
     generator, hf, tokenizer = engine.generator, engine.hf, engine.tokenizer
     generator.load_state_dict(engine.A)
     hf.load_state_dict(engine.A)
@@ -161,7 +161,7 @@ def test_vllm_behaviour_logprobs_come_with_sampling_and_equal_a_forward(engine):
 def _generate_in_child(path, results):
     import psutil
     from config import Config
-    from models import load_model
+    from ops.models import load_model
     from ops.vllm_backend import VLLMGenerator
     hf, tokenizer = load_model(path)
     cfg = Config(model=path, searcher_dtype="float32", max_new_tokens=MAX_NEW, prompts_per_search=4, samples_per_prompt=1)
@@ -170,7 +170,7 @@ def _generate_in_child(path, results):
 
 
 def test_vllm_engine_runs_in_process_inside_a_daemonic_spawned_searcher(engine):
-    from models import load_model
+    from ops.models import load_model
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     child = ctx.Process(target=_generate_in_child, args=(engine.path, results), daemon=True)

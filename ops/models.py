@@ -1,25 +1,21 @@
 """
-Models: load a policy, generate with it, score log-probs with it. Shared by the trainer (tba.py), the
-searchers (searcher.py) and the tasks' evaluations (rewards.py, tasks/).
+Models, the operations around them: load a policy, its reference and tokenizer (precision, LoRA, gradient
+checkpointing), encode prompts, and the faster log-probs that the trainer and the searchers use in place of
+loss.py's plain ones (--share-prompt: each prompt run once for its K responses; the same numbers, tested).
+The algorithm does not live here: log-probs are loss.py's, generation is searcher.py's (`HFGenerator`).
 
     load_model(path, device, dtype)   AutoModelForCausalLM + AutoTokenizer, in eval mode, with a pad token
-    encode_prompts(tokenizer, texts)  prompt token ids, never with a second BOS (chat templates render one)
-    PromptTokens(tokenizer, texts)       the same by index, each encoded on first use
     load_trainer_models(cfg)          the policy and its reference (LoRA: one model, the adapters on and off)
-    HFGenerator                       transformers `generate` with a KV cache: n responses per prompt, cut at
-                                      the first stop id; the searchers' default backend (ops/vllm_backend.py
-                                      has the same interface: generate(prompt_tokens, n, temperature, greedy),
-                                      sample(prompt_tokens, n, temperature, score_temperature),
-                                      load_state_dict(tensors), stop_ids); `sample` also returns each
-                                      response token's log-prob as generation computed it (the behaviour
-                                      log-probs, at no extra forward)
+    load_searcher_models(cfg, rank)   a searcher's policy copy and reference, on its device, in its dtype
+    encode_prompts(tokenizer, texts)  prompt token ids, never with a second BOS (chat templates render one)
+    PromptTokens(tokenizer, texts)    the same by index, each encoded on first use
     stop_ids(model, tokenizer)        every id that ends a response: the tokenizer's EOS and the model's
                                       generation-config EOS ids (a chat model ends its turn with another id)
-    score_logprobs(model, ...)        no-grad log pi(y|x) of (prompt, response) pairs, a micro-batch at a time
-    shared_prompt_logprobs(model, ...)   log pi of K responses per prompt, each prompt run once (its KV cache)
-    EvalPolicy                        text in, text out: what a task's `evaluate` works with
-
-Sampling is full-support (top_k=0, top_p=1), as TB requires of an off-policy sampler.
+    policy_logprobs_fast(...)         loss.response_logprobs for Q prompts x K responses, each prompt run once
+                                      (shared_prompt_logprobs: its KV cache repeated for its K responses)
+    score_logprobs(model, ...)        no-grad log pi(y|x) (or per token) of (prompt, response) pairs, a micro-batch
+                                      at a time, runs of one prompt run once with share_prompt
+    completions(tokenizer, ids)       Completion records (text, ids, finished) of generated ids
 
 Run it through a run_*.py script; this module has no entry point of its own.
 """
@@ -67,6 +63,26 @@ def load_trainer_models(cfg):
     return policy, ref.requires_grad_(False), tokenizer
 
 
+def load_for_training(cfg, task):
+    """The trainer's (policy, reference, tokenizer, task): `load_trainer_models`, and the task without the prompts
+    longer than --max-prompt-tokens (before any searcher sees them)."""
+    policy, ref, tokenizer = load_trainer_models(cfg)
+    return policy, ref, tokenizer, drop_long_prompts(task, tokenizer, cfg.max_prompt_tokens)
+
+
+def drop_long_prompts(task, tokenizer, max_tokens):
+    """Skip prompts longer than max_tokens (counted and printed), before any searcher sees them."""
+    if not max_tokens:
+        return task
+    keep = lambda prompts: [i for i, ids in enumerate(encode_prompts(tokenizer, prompts)) if len(ids) <= max_tokens]
+    train_ids, eval_ids = keep(task.prompts), keep(task.eval_prompts)
+    print(f"--max-prompt-tokens {max_tokens}: skipped {len(task.prompts) - len(train_ids)} of {len(task.prompts)} "
+          f"training and {len(task.eval_prompts) - len(eval_ids)} of {len(task.eval_prompts)} held-out prompts")
+    if not train_ids or not eval_ids:
+        raise ConfigError(f"--max-prompt-tokens {max_tokens} leaves no training or no held-out prompts")
+    return task.select(train_ids, eval_ids)
+
+
 def load_from_flag(cfg, field, dtype):
     """load_model for --model or --ref-model on the trainer's device, a load failure being one line naming the flag."""
     path = getattr(cfg, field)
@@ -74,6 +90,18 @@ def load_from_flag(cfg, field, dtype):
         return load_model(path, cfg.device, dtype, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--{field.replace('_', '-')} {path}: cannot load it ({str(e).splitlines()[0]})") from None
+
+
+def load_searcher_models(cfg, rank):
+    """A searcher's models: (policy, reference or None, tokenizer, device), on its device (ops/devices.claim_gpu:
+    vLLM takes the first visible GPU, so the others are masked) and in --searcher-dtype. The reference is loaded
+    only for objectives that read log pi_ref."""
+    from ops.devices import claim_gpu
+    device, dtype = claim_gpu(cfg, cfg.searcher_devices[rank]), dtype_of(cfg.searcher_dtype)
+    policy, tokenizer = load_model(cfg.model, device, dtype, cfg.trust_remote_code)
+    ref = (load_model(cfg.ref_model or cfg.model, device, dtype, cfg.trust_remote_code)[0]
+           if "ref_logp" in cfg.needs else None)
+    return policy, ref, tokenizer, device
 
 
 def encode_prompts(tokenizer, texts):
@@ -114,64 +142,6 @@ def compute_dtype(cfg):
 # -----------------------------------------------------------------------------
 # Generation and scoring
 
-class HFGenerator:
-    """transformers `generate` (KV cache) on a model this process owns."""
-
-    def __init__(self, model, tokenizer, max_new_tokens):
-        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
-        self.stop_ids = stop_ids(model, tokenizer)
-
-    def load_state_dict(self, tensors):
-        self.model.load_state_dict(tensors)
-
-    @torch.no_grad()
-    def generate(self, prompt_tokens, n, temperature, greedy=False, recorder=None):
-        """n responses per prompt (prompt-major order), each a list of ids ending in a stop id unless truncated;
-        a `recorder` (TokenLogprobs) sees every step's logits."""
-        rows = [p for p in prompt_tokens for _ in range(n)]
-        input_ids, attention_mask, _ = make_batch(rows, [[]] * len(rows), self.tokenizer.pad_token_id)
-        device = self.model.device
-        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        processors = None
-        if recorder is not None:
-            from transformers import LogitsProcessorList
-            processors = LogitsProcessorList([recorder])
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=list(self.stop_ids), logits_processor=processors, **sampling)
-        out = out[:, input_ids.shape[1]:]
-        if recorder is not None:
-            recorder.finish(out)
-        return [cut_at_eos(row, self.stop_ids) for row in out.tolist()]
-
-    def sample(self, prompt_tokens, n, temperature, score_temperature):
-        """`generate`, and each response token's log-prob at `score_temperature` as generation computed it
-        (no second forward): (responses, a tuple of per-token log-probs per response)."""
-        recorder = TokenLogprobs(score_temperature)
-        responses = self.generate(prompt_tokens, n, temperature, recorder=recorder)
-        return responses, [tuple(row[:len(r)]) for row, r in zip(recorder.token_logp, responses)]
-
-
-class TokenLogprobs:
-    """A logits processor that records log softmax(logits / T) of each generated token. transformers runs it
-    on the model's logits before the sampling temperature is applied; the token chosen at one step is read
-    from the next step's input ids (and the last one from the output, by `finish`)."""
-
-    def __init__(self, temperature):
-        self.temperature, self.steps, self.last = temperature, [], None
-
-    def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.steps.append(self.last.gather(1, input_ids[:, -1:]))
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, generated):
-        """`generated`: (N, T) the new tokens; sets token_logp, (N, T) as nested lists."""
-        self.steps.append(self.last.gather(1, generated[:, -1:].to(self.last.device)))
-        self.token_logp, self.last = torch.cat(self.steps, dim=1).cpu().tolist(), None
-
-
 def stop_ids(model, tokenizer):
     """Every token id that ends a response: the tokenizer's EOS and every EOS id of the model's generation
     config (chat models end a turn with another id, e.g. Qwen's <|im_end|> besides <|endoftext|>)."""
@@ -204,6 +174,23 @@ def score_logprobs(model, prompt_tokens, responses, pad_id, temperature, micro_b
         else:
             out += token_logp.sum(dim=1).tolist()
     return out
+
+
+def shared_prompt_score_logprobs(model, prompts, responses, pad_id, temperature, micro_batch):
+    """loss.score_logprobs with each run of one prompt run once (--share-prompt): the same numbers, less compute."""
+    return score_logprobs(model, prompts, responses, pad_id, temperature, micro_batch, share_prompt=True)
+
+
+def policy_logprobs_fast(cfg, model, prompts, responses, pad_id, K):
+    """loss.response_logprobs (with grad) of Q prompts x K responses, prompt-major, each prompt run once for its K
+    responses (shared_prompt_logprobs) where the model allows it: not under --gradient-checkpointing, which
+    recomputes activations in train mode (`recomputing_activations`), and only for models that take
+    `logits_to_keep`. Under --trainer-dtype bf16-mixed the forward computes in bfloat16 (`autocast`)."""
+    with recomputing_activations(model, cfg.gradient_checkpointing), autocast(cfg, cfg.device):
+        if cfg.share_prompt and not cfg.gradient_checkpointing and takes_logits_to_keep(model):
+            return shared_prompt_logprobs(model, prompts[::K], responses, pad_id, cfg.score_temperature)
+        batch = make_batch(prompts, responses, pad_id)
+        return response_logprobs(model, *(b.to(cfg.device) for b in batch), cfg.score_temperature)
 
 
 def micro_batches(prompts, size, share):
@@ -264,29 +251,6 @@ class Completion:
     text: str  # decoded without special tokens
     token_ids: tuple  # generated ids, EOS included when generated
     finished: bool  # ended with a stop id (False: cut at max_new_tokens)
-
-
-class EvalPolicy:
-    """The trained policy and its reference, text in and out: what `Task.evaluate` works with."""
-
-    def __init__(self, cfg, model, ref, tokenizer, step=0):
-        self.cfg, self.model, self.ref, self.tokenizer, self.step = cfg, model, ref, tokenizer, step  # (after `step` steps)
-        self.generator = HFGenerator(model, tokenizer, cfg.max_new_tokens)
-
-    def generate(self, prompts, n=1, temperature=1.0, greedy=False):
-        """n completions per prompt (prompt-major), eval_batch_size rows per generate call."""
-        rows = [ids for ids in encode_prompts(self.tokenizer, prompts) for _ in range(n)]
-        out = []
-        for i in range(0, len(rows), self.cfg.eval_batch_size):
-            out += self.generator.generate(rows[i:i + self.cfg.eval_batch_size], 1, temperature, greedy)
-        return completions(self.tokenizer, out, self.generator.stop_ids)
-
-    def logprobs(self, prompts, completions, model="policy"):
-        """Sequence log-probs (at the loss temperature) of completions of prompts under the policy or the reference."""
-        prompt_tokens = encode_prompts(self.tokenizer, prompts)
-        net = self.model if model == "policy" else self.ref
-        return score_logprobs(net, prompt_tokens, [c.token_ids for c in completions], self.tokenizer.pad_token_id,
-                              self.cfg.score_temperature, self.cfg.micro_batch)
 
 
 def completions(tokenizer, responses, stop=None):
