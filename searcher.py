@@ -35,16 +35,18 @@ import os
 import queue
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from buffer import Trajectory
-from config import SearcherDied, signals_ignored
+from config import SearcherDied
 from loss import make_batch, score_logprobs, token_logprobs
 from ops.devices import torchrun_rank
+from ops.processes import start_process, stop_processes
 from ops.models import PromptTokens, completions, cut_at_eos, load_searcher_models, shared_prompt_score_logprobs, stop_ids
-from ops.weights import SharedWeights, allocate_shared, shared_device
+from ops.weights import SharedWeights, allocate_shared
 
 
 class SearcherHandle(Protocol):
@@ -94,7 +96,7 @@ class Searchers:
     leaving it stops them."""
 
     def __init__(self, cfg):
-        import torch.multiprocessing as mp
+        import torch.multiprocessing as mp  # (multiprocessing, with tensors shared rather than pickled)
         self.cfg, self.ctx = cfg, mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
         self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
         self.weights = {"policy": SharedWeights(self.ctx), "ref": SharedWeights(self.ctx)}  # (ops/weights.py)
@@ -117,15 +119,13 @@ class Searchers:
         self.procs[rank] = self.ctx.Process(
             target=searcher_process, name=f"searcher-{rank}", daemon=True,
             args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.pause_event, self.weights, os.getpid()))
-        with signals_ignored():  # (a searcher starts with stop signals ignored: they are the trainer's to handle)
-            self.procs[rank].start()
+        start_process(self.procs[rank])  # (with stop signals ignored: they are the trainer's to handle)
         self.last_heard[rank] = time.time()
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         """Allocate the shared weights (a copy per searcher device, in their dtype) and send every searcher its job."""
         self.cfg, self.job = cfg, {"cfg": cfg, "task": task, "step": step}
-        self.devices = [shared_device(cfg, d) for d in cfg.searcher_devices]
-        allocate_shared(cfg, self.weights, policy, ref, step, ref_version, self.devices)  # (ops/weights.py)
+        self.devices = allocate_shared(cfg, self.weights, policy, ref, step, ref_version)  # (ops/weights.py)
         for rank in range(cfg.num_searchers):
             self.send_job(rank)
 
@@ -161,19 +161,8 @@ class Searchers:
         self.weights["ref"].publish(ref, version)  # (no copy when the objective reads no reference: start)
 
     def close(self):
-        """Stop every searcher: ask, wait up to 5 s, then kill; a signal meanwhile does not interrupt it. Safe twice."""
-        with signals_ignored():
-            self.stop_event.set()
-            deadline = time.time() + 5.0
-            for p in self.procs:
-                p.join(timeout=max(deadline - time.time(), 0.1))
-            for p in self.procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5.0)
-            for q in self.queues + self.jobs:
-                q.cancel_join_thread()  # never block the trainer's exit on data nobody will read
-                q.close()
+        """Stop every searcher: ask, wait up to 5 s, then kill (ops/processes.py). Safe twice."""
+        stop_processes(self.stop_event, self.procs, self.queues + self.jobs)
 
     # -- operations (ops/bookkeeping.py calls these)
 
@@ -258,12 +247,12 @@ def searcher_loop(rank, cfg, task, seed, link):
             return
 
 
+@dataclass
 class Batch:
-    """What a searcher sends: its Trajectories and its report (the reward's logged metrics, completions no reward
-    scored, seconds to pull the weights, peak memory)."""
-
-    def __init__(self, trajectories, report=None):
-        self.trajectories, self.report = trajectories, report or {}
+    """What a searcher sends to the trainer."""
+    trajectories: list  # [Trajectory]
+    report: dict = field(default_factory=dict)  # the reward's logged metrics, completions no reward scored, the
+    # seconds its last pull of the weights took, its peak memory
 
 
 class Searcher:

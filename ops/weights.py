@@ -72,16 +72,18 @@ class SharedWeights:
             return self.version.value
 
 
-def allocate_shared(cfg, weights, policy, ref, step, ref_version, devices):
+def allocate_shared(cfg, weights, policy, ref, step, ref_version):
     """The searchers' shared weights (`weights`: kind -> SharedWeights) allocated from the trainer's models, a copy
     per searcher device in the searchers' dtype; the reference only for objectives that read it. /dev/shm is
-    checked first, now that the model's size is known."""
+    checked first, now that the model's size is known. Returns where each searcher's copy is."""
     from ops.memory import check_shared_memory
     from ops.models import dtype_of
     check_shared_memory(cfg, params=sum(t.numel() for t in policy.state_dict().values()))
+    devices = [shared_device(cfg, d) for d in cfg.searcher_devices]
     weights["policy"].allocate(policy, step, devices, dtype_of(cfg.searcher_dtype))
     if "ref_logp" in cfg.needs:  # (the searchers score the reference only for objectives that read it)
         weights["ref"].allocate(ref, ref_version, devices, dtype_of(cfg.searcher_dtype))
+    return devices
 
 
 def synchronize(*state_dicts):

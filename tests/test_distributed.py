@@ -62,8 +62,8 @@ def _merge_stream(searchers, links, rounds):
     from buffer import ReplayBuffer, Trajectory
     from searcher import Batch
     merged = []
-    books = types.SimpleNamespace(wait_for_searchers=lambda have, need: None,
-                                  merged=lambda items, step, min_version: merged.append([dataclasses.asdict(t) for t in items]))
+    books = types.SimpleNamespace(wait_for_searchers=lambda have, need, reports: None,
+                                  merged=lambda items, reports, step, min_version: merged.append([dataclasses.asdict(t) for t in items]))
     run = types.SimpleNamespace(cfg=searchers.cfg, searchers=searchers, books=books,
                                 buffer=ReplayBuffer(capacity_per_prompt=5, seed=0))
     for searcher, step, batches in rounds:
@@ -91,13 +91,13 @@ def test_same_trajectories_through_both_transports_give_identical_buffers(monkey
         self.queues[rank] = self.ctx.Queue(maxsize=self.cfg.queue_size)
         self.jobs[rank] = self.ctx.Queue(maxsize=1)
         self.procs[rank] = types.SimpleNamespace(exitcode=None, join=lambda timeout=None: None, is_alive=lambda: False)
-    monkeypatch.setattr(Searchers, "_spawn", spawn_nothing)
+    monkeypatch.setattr(Searchers, "spawn", spawn_nothing)
     rounds = _stream()
     cfg = lambda: Config(num_searchers=2, sync_every=2, batch_size=16, responses_per_prompt=4, capacity_per_prompt=5)
 
     local = Searchers(cfg())
     try:
-        links = [QueueLink(None, q, local.stop_event, local.pause_event, os.getppid()) for q in local.queues]
+        links = [QueueLink(None, None, q, local.stop_event, local.pause_event, os.getppid()) for q in local.queues]
         local_buffer, local_merged = _merge_stream(local, links, rounds)
         local_sample = [[dataclasses.asdict(t) for t in g] for g in _draw(local_buffer, local.cfg)]
     finally:

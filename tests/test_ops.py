@@ -555,7 +555,7 @@ def test_an_evaluation_holds_the_searchers_and_a_stop_still_ends_them():
     from searcher import QueueLink
     ctx = multiprocessing.get_context("spawn")
     stop, pause = ctx.Event(), ctx.Event()
-    link = QueueLink(None, None, stop, pause, os.getppid())
+    link = QueueLink(None, None, None, stop, pause, os.getppid())
     pause.set()
     answers = []
     waiter = threading.Thread(target=lambda: answers.append((link.alive(), time.time())))

@@ -227,7 +227,7 @@ def test_no_eos_penalty_replaces_the_score():
 
     task = TLDRTask(["TL;DR:"], [{}], ["TL;DR:"], [{}])
     searcher = Searcher(cfg, task, Generator(), tokenizer, lambda p, c, m, **context: [0.7] * len(c), seed=0)
-    trajectories = searcher.search([0], policy_version=0, ref_version=-1)
+    trajectories = searcher.search([0], policy_version=0, ref_version=-1).trajectories
     assert [t.reward for t in trajectories] == [0.7, -1.0]
 
 

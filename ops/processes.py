@@ -1,0 +1,35 @@
+"""
+Starting and stopping the searcher processes robustly (searcher.Searchers calls these): a searcher starts with
+stop signals ignored (they are the trainer's to handle: a Ctrl-C reaches the whole process group), and stopping
+them is not interrupted by a second signal, ends within seconds, and never blocks on a queue nobody reads.
+"""
+
+import time
+
+from config import signals_ignored
+
+
+def start_process(proc):
+    """proc.start() with stop signals ignored, which the child inherits. The first call also starts
+    multiprocessing's resource tracker that way (it outlives a closed terminal, and stays quiet)."""
+    import multiprocessing.resource_tracker as tracker
+    with signals_ignored():
+        tracker.ensure_running()
+        proc.start()
+
+
+def stop_processes(stop_event, procs, queues, grace_s=5.0):
+    """Ask every process to stop (stop_event), wait up to grace_s, then kill; a signal meanwhile does not
+    interrupt it. Safe twice."""
+    with signals_ignored():
+        stop_event.set()
+        deadline = time.time() + grace_s
+        for p in procs:
+            p.join(timeout=max(deadline - time.time(), 0.1))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        for q in queues:
+            q.cancel_join_thread()  # never block the trainer's exit on data nobody will read
+            q.close()
