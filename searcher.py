@@ -45,7 +45,7 @@ from config import SearcherDied
 from loss import make_batch, score_logprobs, token_logprobs
 from ops.devices import torchrun_rank
 from ops.processes import start_process, stop_processes
-from ops.models import PromptTokens, completions, cut_at_eos, load_searcher_models, shared_prompt_score_logprobs, stop_ids
+from ops.models import PromptTokens, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs, stop_ids
 from ops.weights import SharedWeights, allocate_shared
 
 
@@ -226,12 +226,7 @@ def searcher_loop(rank, cfg, task, seed, link):
     from ops.memory import peak_memory
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
-    policy, ref, tokenizer, device = load_searcher_models(cfg, rank)  # its device, its dtype (ref: None if unread)
-    if cfg.backend == "vllm":  # (vLLM is optional: imported only when chosen)
-        from ops.vllm_backend import VLLMGenerator
-        generator = VLLMGenerator(cfg, policy, tokenizer, seed, device)
-    else:
-        generator = HFGenerator(policy, tokenizer, cfg.max_new_tokens)
+    policy, ref, tokenizer, generator, device = load_searcher(cfg, rank, seed, HFGenerator)  # (vLLM's: --backend vllm)
     searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed, ref=ref)
     prompt_batches = PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed)
     version = ref_version = -1
@@ -273,7 +268,8 @@ class Searcher:
         prompts = [self.prompt_tokens[q] for q in prompt_ids for _ in range(S)]
         responses, behavior = self.generator.sample(prompts[::S], S, lo if hi is None else self.rng.uniform(lo, hi),
                                                     cfg.score_temperature)  # behaviour log-probs per token, as sampled
-        ids, done, log = [q for q in prompt_ids for _ in range(S)], completions(self.tokenizer, responses, self.generator.stop_ids), {"metrics": {}, "extra": {}}
+        ids, log = [q for q in prompt_ids for _ in range(S)], {"metrics": {}, "extra": {}}  # (log: what the reward logs)
+        done = completions(self.tokenizer, responses, self.generator.stop_ids)  # texts, ids, whether each ended
         rewards = self.score([task.prompts[q] for q in ids], [c.text for c in done], [task.metas[q] for q in ids],
                              completion_ids=[list(c.token_ids) for c in done], step=policy_version, log=log)
         unscored = sum(math.isnan(r) for r in rewards)  # (a NaN reward: nothing scored it; it is not sent)
