@@ -44,7 +44,7 @@ from buffer import Trajectory
 from config import SearcherDied
 from loss import make_batch, score_logprobs, token_logprobs
 from ops.devices import torchrun_rank
-from ops.processes import start_process, stop_processes
+from ops.processes import start_process, start_resource_tracker, stop_processes
 from ops.models import PromptTokens, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs, stop_ids
 from ops.weights import SharedWeights, allocate_shared
 
@@ -97,6 +97,7 @@ class Searchers:
 
     def __init__(self, cfg):
         import torch.multiprocessing as mp  # (multiprocessing, with tensors shared rather than pickled)
+        start_resource_tracker()  # (first, with stop signals ignored: ops/processes.py)
         self.cfg, self.ctx = cfg, mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
         self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
         self.weights = {"policy": SharedWeights(self.ctx), "ref": SharedWeights(self.ctx)}  # (ops/weights.py)
@@ -281,7 +282,8 @@ class Searcher:
                                    behavior_logp=math.fsum(b) if b else math.nan, ref_logp=float(lr),
                                    ref_version=ref_version if self.ref is not None else -1,
                                    behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (GRPO only)
-                        for q, r, rw, b, lr in zip(ids, responses, rewards, behavior, ref_logp) if not math.isnan(rw)]
+                        for q, r, rw, b, lr in zip(ids, responses, rewards, behavior or [()] * len(ids), ref_logp)
+                        if not math.isnan(rw)]  # (a backend without behaviour log-probs: none)
         return Batch(trajectories, {"reward_metrics": log["metrics"], "unscored": unscored})
 
 

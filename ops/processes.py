@@ -9,12 +9,17 @@ import time
 from config import signals_ignored
 
 
-def start_process(proc):
-    """proc.start() with stop signals ignored, which the child inherits. The first call also starts
-    multiprocessing's resource tracker that way (it outlives a closed terminal, and stays quiet)."""
+def start_resource_tracker():
+    """multiprocessing's resource tracker, started with stop signals ignored before the first queue or event is made
+    (it outlives a closed terminal, and stays quiet)."""
     import multiprocessing.resource_tracker as tracker
     with signals_ignored():
         tracker.ensure_running()
+
+
+def start_process(proc):
+    """proc.start() with stop signals ignored, which the child inherits (they are the trainer's to handle)."""
+    with signals_ignored():
         proc.start()
 
 

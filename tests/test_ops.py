@@ -465,20 +465,19 @@ def test_a_stopped_searcher_ends_the_run_naming_it(tmp_path, cache_dir):
     assert not _wait_gone(family, 15), "the stopped searcher was not cleaned up"
 
 
-def test_an_empty_sync_is_logged(capsys):
+def test_an_empty_sync_is_logged(tmp_path, capsys):
     import tba
     from types import SimpleNamespace
 
+    from config import Config
     from ops.bookkeeping import Bookkeeping
 
     class Silent:
-        reports = []
-
         def poll(self):
-            return []
+            return [], []
     run = SimpleNamespace(searchers=Silent(), buffer=ReplayBuffer(4), start=0,
-                          cfg=SimpleNamespace(run_dir="", resume="x", report_to="none", sync_every=4, fresh_rounds=False,
-                                              initial_completions=64))  # (resume: no file made)
+                          cfg=Config(run_dir=str(tmp_path), resume="x", report_to="none", sync_every=4, fresh_rounds=False,
+                                     initial_completions=64))  # (resume: no metrics file made)
     run.books = Bookkeeping(run)
     tba.merge(run, 8)
     assert "sync at step 8: no new trajectories from the searchers" in capsys.readouterr().out
@@ -489,7 +488,7 @@ def test_an_inconsistent_buffer_writes_no_checkpoint_and_keeps_the_last(tmp_path
     from types import SimpleNamespace
 
     from buffer import Trajectory
-    from config import RunError
+    from config import Config, RunError
     from ops.bookkeeping import Bookkeeping
     last = tmp_path / "checkpoints" / "step-000004"
     last.mkdir(parents=True)
@@ -498,7 +497,7 @@ def test_an_inconsistent_buffer_writes_no_checkpoint_and_keeps_the_last(tmp_path
     buffer.add([Trajectory(prompt_id=0, response_ids=(1,), reward=0.0, policy_version=0)])
     buffer.latest[0] = [Trajectory(prompt_id=0, response_ids=(1,), reward=0.0, policy_version=0)]  # not the stored one
     run = SimpleNamespace(buffer=buffer, start=0, policy=torch.nn.Linear(2, 2), ref=torch.nn.Linear(2, 2),
-                          cfg=SimpleNamespace(run_dir=str(tmp_path), resume="x", report_to="none"))
+                          cfg=Config(run_dir=str(tmp_path), resume="x", report_to="none"))
     with pytest.raises(RunError, match=r"^no checkpoint written at step 8: replay buffer invariant broken: every "
                                        r"latest-round trajectory is stored; the last complete one stays in "):
         Bookkeeping(run).save(8)
