@@ -70,7 +70,7 @@ from safetensors.torch import save_file  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from ops.models import stop_ids  # noqa: E402
+from ops.models import score_logprobs, stop_ids  # noqa: E402
 
 
 class VLLMGenerator:

@@ -152,7 +152,10 @@ def test_vllm_behaviour_logprobs_come_with_sampling_and_equal_a_forward(engine):
                              micro_batch=64, per_token=True)
     assert [len(t) for t in token_logp] == [len(r) for r in responses]
     assert max(abs(a - b) for x, y in zip(token_logp, forward) for a, b in zip(x, y)) < 1e-3, "at the loss's temperature"
-    assert generator.sample(PROMPTS[:2], 3, 1.0, 0.7)[1] is None, "another temperature: left to a forward"
+    responses, token_logp = generator.sample(PROMPTS[:2], 3, 1.0, 0.7)  # another temperature: the HF copy's forward
+    forward = score_logprobs(hf, [p for p in PROMPTS[:2] for _ in range(3)], responses, tokenizer.pad_token_id, 0.7,
+                             micro_batch=64, per_token=True)
+    assert token_logp == forward, "another temperature: scored by a forward of the HF copy, at the loss's temperature"
 
 
 # -----------------------------------------------------------------------------
