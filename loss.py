@@ -172,7 +172,7 @@ def score_logprobs(model, prompts, responses, pad_id, temperature=1.0, micro_bat
     out, device = [], next(model.parameters()).device
     for i in range(0, len(prompts), micro_batch):
         batch = make_batch(prompts[i:i + micro_batch], responses[i:i + micro_batch], pad_id)
-        out += sequence_logprobs(model, *(t.to(device) for t in batch), temperature).tolist()
+        out += response_logprobs(model, *(t.to(device) for t in batch), temperature).sum(dim=1).tolist()  # (n,)
     return out
 
 

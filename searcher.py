@@ -29,6 +29,7 @@ Departures from the official code:
 Run it through a run_*.py script; this module has no entry point of its own.
 """
 
+import contextlib
 import importlib
 import math
 import os
@@ -44,7 +45,7 @@ from buffer import Trajectory
 from config import SearcherDied
 from loss import make_batch, score_logprobs, token_logprobs
 from ops.devices import torchrun_rank
-from ops.processes import start_process, start_resource_tracker, stop_processes
+from ops.processes import drain, start_process, start_resource_tracker, stop_processes
 from ops.models import PromptTokens, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs, stop_ids
 from ops.weights import SharedWeights, allocate_shared
 
@@ -85,15 +86,14 @@ def spawn_searchers(cfg):
     if torchrun_rank() is not None:  # under torchrun: the job's other ranks (ops/distributed.py)
         from ops.distributed import DistSearchers
         return DistSearchers(cfg)
-    return Searchers(cfg)
+    return contextlib.closing(Searchers(cfg))  # (leaving the `with` block calls its close)
 
 
 # -----------------------------------------------------------------------------
 # The trainer's handle: processes, shared weights, queues
 
 class Searchers:
-    """The searcher processes of this machine, one queue each, and the weights they share. A context manager:
-    leaving it stops them."""
+    """The searcher processes of this machine, one queue each, and the weights they share."""
 
     def __init__(self, cfg):
         import torch.multiprocessing as mp  # (multiprocessing, with tensors shared rather than pickled)
@@ -106,12 +106,6 @@ class Searchers:
         self.restarts, self.job = 0, None
         for rank in range(n):
             self.spawn(rank)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        self.close()
 
     def spawn(self, rank):
         """(Re)start searcher `rank` with fresh queues (a process killed mid-write can leave its queue corrupt)."""
@@ -139,19 +133,12 @@ class Searchers:
     def poll(self):
         """(trajectories, reports): every Trajectory the searchers sent since the last poll, in order per searcher,
         and each batch's report (waits 10 ms if nothing came)."""
-        items, reports = [], []
-        for rank, q in enumerate(self.queues):
-            while True:
-                try:
-                    batch = q.get_nowait()
-                except queue.Empty:
-                    break
-                items += batch.trajectories
-                reports.append({**batch.report, "rank": rank})
-                self.last_heard[rank] = time.time()
-        if not items:
+        batches = [(rank, batch) for rank, q in enumerate(self.queues) for batch in drain(q)]  # (ops/processes.py)
+        for rank, _ in batches:
+            self.last_heard[rank] = time.time()  # (a searcher silent for --searcher-timeout has failed)
+        if not batches:
             time.sleep(0.01)
-        return items, reports
+        return [t for _, b in batches for t in b.trajectories], [{**b.report, "rank": rank} for rank, b in batches]
 
     def publish(self, policy, version):
         t0 = time.time()

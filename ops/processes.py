@@ -4,6 +4,7 @@ stop signals ignored (they are the trainer's to handle: a Ctrl-C reaches the who
 them is not interrupted by a second signal, ends within seconds, and never blocks on a queue nobody reads.
 """
 
+import queue
 import time
 
 from config import signals_ignored
@@ -38,3 +39,12 @@ def stop_processes(stop_event, procs, queues, grace_s=5.0):
         for q in queues:
             q.cancel_join_thread()  # never block the trainer's exit on data nobody will read
             q.close()
+
+
+def drain(q):
+    """Every item a multiprocessing queue holds now, in order, without waiting."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
