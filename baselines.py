@@ -127,17 +127,18 @@ def online_dpo_loss(logp, ref_logp, reward, beta):
 # The hand-over from the trainer
 
 def baseline_loss(cfg, groups, token_logp, beta):
-    """The loss of comparison objective cfg.objective (or of TB with --tb-trust-region) on q groups of K trajectories, token_logp being the
-    policy's log-probs of their response tokens (q K, R) with grad, and the fraction of its ratios clipped
-    (NaN for an objective without ratios). Behaviour log-probs come from the searchers (on-policy under
-    --sync: the ratios are 1). --clip-eps sets eps; --no-ratio-clip makes it infinite (no clip)."""
-    q, K, R = len(groups), len(groups[0]), token_logp.shape[1]
+    """The loss of comparison objective cfg.objective (or of TB with --tb-trust-region) on n groups of K
+    trajectories (a micro-batch of n prompts), token_logp being the policy's log-probs of their response tokens
+    (n K, R) with grad, and the fraction of its ratios clipped (NaN for an objective without ratios). Behaviour
+    log-probs come from the searchers (on-policy under --sync: the ratios are 1). --clip-eps sets eps;
+    --no-ratio-clip makes it infinite (no clip)."""
+    n, K, R = len(groups), len(groups[0]), token_logp.shape[1]
     flat, device = [t for g in groups for t in g], token_logp.device
-    grid = lambda values: torch.tensor(values, dtype=torch.float32, device=device).view(q, K)  # (q, K)
+    grid = lambda values: torch.tensor(values, dtype=torch.float32, device=device).view(n, K)  # (n, K)
     padded = lambda rows: torch.tensor([list(r) + [0.0] * (R - len(r)) for r in rows], dtype=torch.float32,
-                                       device=device).view(q, K, R)  # (q, K, R)
-    token_logp = token_logp.view(q, K, R)
-    logp, mask = token_logp.sum(dim=2), padded([[1.0] * len(t.response_ids) for t in flat])  # (q, K), (q, K, R)
+                                       device=device).view(n, K, R)  # (n, K, R)
+    token_logp = token_logp.view(n, K, R)
+    logp, mask = token_logp.sum(dim=2), padded([[1.0] * len(t.response_ids) for t in flat])  # (n, K), (n, K, R)
     ref_logp, reward = grid([t.ref_logp for t in flat]), grid([t.reward for t in flat])
     if cfg.objective == "tb":  # --tb-trust-region: TB with a trust region around the sampling policy (loss.py)
         return tb_trust_region_loss(logp, ref_logp, reward, beta, grid([t.behavior_logp for t in flat]), cfg.clip_eps)

@@ -113,35 +113,35 @@ class ReplayBuffer:
             per_prompt[key] = t
             self.size += 1
             touched.add(t.prompt_id)
-        for q in touched:
-            self._evict(q)
+        for x in touched:  # (x: a prompt id)
+            self._evict(x)
         latest = {}
-        for q in touched:
-            fresh = [t for t in self.items[q].values()
+        for x in touched:
+            fresh = [t for t in self.items[x].values()
                      if t.round == rnd and (round_min_version is None or t.policy_version >= round_min_version)]
             if fresh:
-                latest[q] = fresh
+                latest[x] = fresh
         if latest:  # a sync that brought nothing new keeps the last round (the official code's behaviour)
             self.latest, self.latest_deck.left, self.latest_round = latest, [], rnd
         return sum(len(v) for v in latest.values())
 
-    def _evict(self, q):
-        """Keep the capacity newest items of prompt q: the oldest by policy version go, ties by insertion order."""
-        excess = len(self.items[q]) - self.capacity
+    def _evict(self, x):
+        """Keep the capacity newest items of prompt x: the oldest by policy version go, ties by insertion order."""
+        excess = len(self.items[x]) - self.capacity
         if excess > 0:  # (dicts keep insertion order, and sorted() is stable)
-            for key, _ in sorted(self.items[q].items(), key=lambda kv: kv[1].policy_version)[:excess]:
-                self._drop(q, key)
+            for key, _ in sorted(self.items[x].items(), key=lambda kv: kv[1].policy_version)[:excess]:
+                self._drop(x, key)
 
-    def _drop(self, q, key):
+    def _drop(self, x, key):
         """The one way an item leaves the buffer: out of storage, out of the latest round, and its prompt out
         of the round's deck once the round holds nothing of it."""
-        t = self.items[q].pop(key)
+        t = self.items[x].pop(key)
         self.size -= 1
-        if q in self.latest:
-            self.latest[q] = [x for x in self.latest[q] if x is not t]
-            if not self.latest[q]:
-                del self.latest[q]
-                self.latest_deck.left = [x for x in self.latest_deck.left if x != q]
+        if x in self.latest:
+            self.latest[x] = [u for u in self.latest[x] if u is not t]
+            if not self.latest[x]:
+                del self.latest[x]
+                self.latest_deck.left = [y for y in self.latest_deck.left if y != x]
 
     def check(self):
         """Raise InconsistentBuffer naming the first invariant that does not hold: what the latest round, the
@@ -160,8 +160,8 @@ class ReplayBuffer:
             if not holds:
                 raise InconsistentBuffer(f"replay buffer invariant broken: {rule}")
 
-    def sample(self, num_prompts, k, m=1.0, prioritization="softmax", reward_temp=1.0):
-        """Return `num_prompts` groups, each a list of `k` Trajectories of one prompt."""
+    def sample(self, num_prompts, K, m=1.0, prioritization="softmax", reward_temp=1.0):
+        """Return `num_prompts` groups, each a list of K Trajectories of one prompt."""
         if prioritization not in ("uniform", "softmax"):
             raise ValueError(f"prioritization must be 'uniform' or 'softmax', got {prioritization!r}")
         if not self.items:
@@ -169,21 +169,21 @@ class ReplayBuffer:
         groups = []
         for _ in range(num_prompts):
             if self.latest and self.rng.random() < m:
-                q = self.latest_deck.deal(lambda: list(self.latest))
-                groups.append(self._draw(self.latest[q], k, None))
+                x = self.latest_deck.deal(lambda: list(self.latest))  # x: a prompt id
+                groups.append(self._draw(self.latest[x], K, None))
             else:
-                q = self.all_deck.deal(lambda: self.seen)
-                candidates = list(self.items[q].values())
+                x = self.all_deck.deal(lambda: self.seen)
+                candidates = list(self.items[x].values())
                 p = None
                 if prioritization == "softmax":
                     logits = np.array([t.reward for t in candidates]) / reward_temp
                     p = np.exp(logits - logits.max())
                     p /= p.sum()
-                groups.append(self._draw(candidates, k, p))
+                groups.append(self._draw(candidates, K, p))
         return groups
 
-    def _draw(self, candidates, k, p):
-        idx = self.rng.choice(len(candidates), size=k, replace=len(candidates) < k, p=p)
+    def _draw(self, candidates, K, p):
+        idx = self.rng.choice(len(candidates), size=K, replace=len(candidates) < K, p=p)
         return [candidates[i] for i in idx]
 
     def state_dict(self):
@@ -191,8 +191,8 @@ class ReplayBuffer:
         keys = {id(t): list(k) if self.dedup else k for per_prompt in self.items.values() for k, t in per_prompt.items()}
         return {"capacity": self.capacity, "dedup": self.dedup, "serial": self.serial, "num_rounds": self.num_rounds,
                 "latest_round": self.latest_round, "rng": self.rng.bit_generator.state,
-                "items": [{**dataclasses.asdict(t), "key": keys[id(t)]} for q in self.items.values() for t in q.values()],
-                "latest": [[q, [keys[id(t)] for t in items]] for q, items in self.latest.items()],
+                "items": [{**dataclasses.asdict(t), "key": keys[id(t)]} for per_prompt in self.items.values() for t in per_prompt.values()],
+                "latest": [[x, [keys[id(t)] for t in items]] for x, items in self.latest.items()],
                 "decks": [self.latest_deck.left, self.all_deck.left]}
 
     def load_state_dict(self, state):
@@ -209,7 +209,7 @@ class ReplayBuffer:
                 self.seen.append(t.prompt_id)
             self.items[t.prompt_id][k] = t
             self.size += 1
-        self.latest = {q: [self.items[q][key(k)] for k in keys] for q, keys in state["latest"]}
+        self.latest = {x: [self.items[x][key(k)] for k in keys] for x, keys in state["latest"]}
         self.latest_deck.left, self.all_deck.left = (list(d) for d in state["decks"])
 
     @staticmethod

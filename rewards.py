@@ -153,7 +153,7 @@ class Task:
                                 texts; context: completion_ids (their token ids), step (the trainer step whose
                                 weights generated them), log ({"metrics": {}, "extra": {}}: what the scorer
                                 wants logged, tasks/dataset.py); a reward of NaN skips the completion
-      evaluate(policy, n)       every eval metric of `policy` (a models.EvalPolicy: generate and score
+      evaluate(policy, n)       every eval metric of `policy` (an ops.evaluation.EvalPolicy: generate and score
                                 log-probs) on the first n held-out prompts, as a dict of numbers; the dict may
                                 also hold an "example" completion (a string) for the log and "samples" (a
                                 dict per prompt: prompt, completion, scores) for samples.jsonl

@@ -43,7 +43,7 @@ import torch
 
 from buffer import Trajectory
 from config import SearcherDied
-from loss import make_batch, score_logprobs, token_logprobs
+from loss import score_logprobs, token_logprobs
 from ops.devices import torchrun_rank
 from ops.processes import drain, start_process, start_resource_tracker, stop_processes
 from ops.models import PromptTokens, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs, stop_ids
@@ -133,7 +133,7 @@ class Searchers:
     def poll(self):
         """(trajectories, reports): every Trajectory the searchers sent since the last poll, in order per searcher,
         and each batch's report (waits 10 ms if nothing came)."""
-        batches = [(rank, batch) for rank, q in enumerate(self.queues) for batch in drain(q)]  # (ops/processes.py)
+        batches = [(rank, batch) for rank, out in enumerate(self.queues) for batch in drain(out)]  # (ops/processes.py)
         for rank, _ in batches:
             self.last_heard[rank] = time.time()  # (a searcher silent for --searcher-timeout has failed)
         if not batches:
@@ -253,23 +253,23 @@ class Searcher:
         (prompt-major). Reference log-probs are tagged with `ref_version`, the reference they came from."""
         cfg, task, S = self.cfg, self.task, self.cfg.samples_per_prompt
         lo, hi = cfg.temperature, cfg.temperature_max  # (--temperature-max: a temperature per batch in [lo, hi])
-        prompts = [self.prompt_tokens[q] for q in prompt_ids for _ in range(S)]
+        prompts = [self.prompt_tokens[x] for x in prompt_ids for _ in range(S)]  # (x: a prompt id)
         responses, behavior = self.generator.sample(prompts[::S], S, lo if hi is None else self.rng.uniform(lo, hi),
                                                     cfg.score_temperature)  # behaviour log-probs per token, as sampled
-        ids, log = [q for q in prompt_ids for _ in range(S)], {"metrics": {}, "extra": {}}  # (log: what the reward logs)
+        ids, log = [x for x in prompt_ids for _ in range(S)], {"metrics": {}, "extra": {}}  # (log: what the reward logs)
         done = completions(self.tokenizer, responses, self.generator.stop_ids)  # texts, ids, whether each ended
-        rewards = self.score([task.prompts[q] for q in ids], [c.text for c in done], [task.metas[q] for q in ids],
+        rewards = self.score([task.prompts[x] for x in ids], [c.text for c in done], [task.metas[x] for x in ids],
                              completion_ids=[list(c.token_ids) for c in done], step=policy_version, log=log)
         unscored = sum(math.isnan(r) for r in rewards)  # (a NaN reward: nothing scored it; it is not sent)
         if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
             rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
         ref_logp = [math.nan] * len(ids) if self.ref is None else self.ref_logprobs(
             self.ref, prompts, responses, self.tokenizer.pad_token_id, cfg.score_temperature, cfg.micro_batch)
-        trajectories = [Trajectory(prompt_id=q, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
+        trajectories = [Trajectory(prompt_id=x, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
                                    behavior_logp=math.fsum(b) if b else math.nan, ref_logp=float(lr),
                                    ref_version=ref_version if self.ref is not None else -1,
                                    behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (GRPO only)
-                        for q, r, rw, b, lr in zip(ids, responses, rewards, behavior or [()] * len(ids), ref_logp)
+                        for x, r, rw, b, lr in zip(ids, responses, rewards, behavior or [()] * len(ids), ref_logp)
                         if not math.isnan(rw)]  # (a backend without behaviour log-probs: none)
         return Batch(trajectories, {"reward_metrics": log["metrics"], "unscored": unscored})
 
@@ -291,14 +291,13 @@ class HFGenerator:
         max_new_tokens, sampled with full support (top_k=0, top_p=1, as TB requires of an off-policy sampler); and
         each response token's log-prob at `score_temperature` as generation computed it (no second forward: the
         behaviour log-probs; None without a score_temperature)."""
-        rows = [p for p in prompt_tokens for _ in range(n)]
-        input_ids, attention_mask, _ = make_batch(rows, [[]] * len(rows), self.tokenizer.pad_token_id)  # (N, P) left-padded
+        rows = {"input_ids": [p for p in prompt_tokens for _ in range(n)]}
+        inputs = self.tokenizer.pad(rows, padding_side="left", return_tensors="pt").to(self.model.device)  # (N, P)
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        out = self.model.generate(input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device),
-                                  max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
+        out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
                                   eos_token_id=list(self.stop_ids), return_dict_in_generate=True,
                                   output_logits=score_temperature is not None, **sampling)
-        new = out.sequences[:, input_ids.shape[1]:]  # (N, T) generated ids, padded after a stop id
+        new = out.sequences[:, inputs["input_ids"].shape[1]:]  # (N, T) generated ids, padded after a stop id
         responses = [cut_at_eos(row, self.stop_ids) for row in new.tolist()]
         if score_temperature is None:
             return responses, None

@@ -8,7 +8,7 @@ loops over trainer steps (Algorithm 1):
     reset   TBA': every rho = `ref_reset_every` steps the reference becomes the current policy
     sample  Q = batch_size / K prompts x K responses from the buffer (most-on-policy with probability m)
     loss    sequence log-probs log pi(y|x) under the policy (with grad) -> the VarGrad trajectory-balance
-            loss (loss.py, Eq. 4-5), or the comparison objective chosen once (baselines.py)
+            loss (loss.py, Eq. 4-5), or the comparison objective --objective chose (baselines.py)
     step    AdamW on the loss; warmup-stable-decay learning rate; linear beta schedule
     log     one line, and one JSON record per step in metrics.jsonl, with how off-policy the batch was
             (the drift |log pi - log mu| from the sampling policy mu, for every objective; loss.py)
@@ -21,12 +21,16 @@ reference that computed it; the trainer recomputes it for any trajectory whose r
 reset (and, in --sync mode, for every trajectory, in one batched forward), so a stale reference log-prob
 is never used.
 
-Departures from the paper / official code:
-  1. One trainer process (the official code supports several trainer GPUs with DeepSpeed).
+Departures from the paper / official code, and from the design this code was asked for:
+  1. One trainer process (the official code supports several trainer GPUs with DeepSpeed), and it is the
+     process the task script runs in, not a spawned one: only the searchers are spawned (searcher.py).
   2. Searchers never block at a sync; the trainer waits for them only when nothing new enough arrived (merge).
   3. Gradient accumulation is over whole prompts (`micro_batch_prompts`), so each prompt's log_Z sees all
      K of its responses, exactly as in the full-batch loss.
   4. Checkpoints with resume, a searcher failure policy and a non-finite guard (the official code has none).
+  5. The replay buffer is not itself a shared queue: each searcher sends its batches on a queue of its own,
+     and the trainer drains them (`merge`) into a buffer only it holds (buffer.py), so sampling never
+     crosses a process boundary and the buffer stays a plain data structure.
 
 Run: python run_gsm8k.py (a task script: spawn the searchers, build the task, `train`), or python tba.py --model M
 --dataset D --reward FILE.py:NAME (your own model, data and reward: tasks/dataset.py).
@@ -149,8 +153,8 @@ def train_step(run, groups, step):
     loss_sum, clip_sum, logps = 0.0, 0.0, []
     for i in range(0, Q, cfg.micro_batch_prompts):  # accumulate over whole prompts: log Z sees all K responses
         chunk = groups[i:i + cfg.micro_batch_prompts]
-        token_logp = policy_logprobs(run, chunk)  # (q K, R) log pi per response token, with grad
-        logp = token_logp.sum(dim=1).view(len(chunk), -1)  # (q, K) log pi(y|x)
+        token_logp = policy_logprobs(run, chunk)  # (n K, R) log pi per response token, with grad (n prompts)
+        logp = token_logp.sum(dim=1).view(len(chunk), -1)  # (n, K) log pi(y|x)
         if cfg.objective == "tb" and not cfg.tb_trust_region:  # the VarGrad TB loss, Eq. 4-5 (loss.py)
             loss, clip = vargrad_tb_loss(logp, per_response(chunk, "ref_logp", logp.device),
                                          per_response(chunk, "reward", logp.device), beta), math.nan

@@ -2,7 +2,7 @@
 LoRA (--lora-rank) through PEFT: adapters on the policy's linear layers, trained alone; the reference is the same
 model with its adapters off (no second copy); the searchers get the merged weights W + B A under the plain
 model's names, and final/ is saved merged, so that from_pretrained loads it. An operation for memory, not the
-algorithm: models.load_trainer_models, tba.publish and the checkpoints reach it.
+algorithm: ops.models.load_trainer_models, tba.publish and the checkpoints reach it.
 """
 
 import torch

@@ -1,6 +1,6 @@
 """
 vLLM as a searcher's generation backend (--backend vllm): vLLM's offline `LLM` engine behind the same
-interface as models.HFGenerator,
+interface as searcher.HFGenerator,
 
     generate(prompt_tokens, n, temperature, greedy) -> n responses per prompt (prompt-major), each a list of
                                                      token ids, EOS included when generated

@@ -1,6 +1,6 @@
 """
-models.py and loss.py with real architectures: a chat model's every EOS id ends a response (both backends read
-stop_ids), and sequence log-probs computed from the response positions' logits alone equal those from every
+ops/models.py, searcher.HFGenerator and loss.py with real architectures: a chat model's every EOS id ends a
+response (both backends read stop_ids), and sequence log-probs computed from the response positions' logits alone equal those from every
 position's. Tiny random models saved with save_pretrained and loaded back through from_pretrained.
 
 Run: python -m pytest -q tests/test_models.py
