@@ -40,13 +40,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from tqdm import tqdm
 
 from buffer import Trajectory
 from config import SearcherDied
 from loss import score_logprobs, token_logprobs
 from ops.devices import torchrun_rank
-from ops.processes import drain, start_process, start_resource_tracker, stop_processes
 from ops.models import PromptTokens, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs, stop_ids
+from ops.processes import drain, start_process, start_resource_tracker, stop_processes
 from ops.weights import SharedWeights, allocate_shared
 
 
@@ -79,8 +80,8 @@ class SearcherHandle(Protocol):
 
 def spawn_searchers(cfg):
     """The searchers of this run, started now (their slow imports then overlap the trainer's): processes on this
-    machine (`Searchers`), or a variant with the same interface (--sync, torchrun: ops/). Use it as a context
-    manager: its end stops them, on every path."""
+    machine (`Searchers`), or a variant with the same interface (--sync: `SyncSearch`; torchrun:
+    ops/distributed.py). Use it as a context manager: its end stops them, on every path."""
     if cfg.sync:  # the on-policy baseline: the trainer generates each batch itself (`SyncSearch`, below)
         return SyncSearch(cfg)
     if torchrun_rank() is not None:  # under torchrun: the job's other ranks (ops/distributed.py)
@@ -176,7 +177,7 @@ class Searchers:
             if self.restarts >= self.cfg.max_searcher_restarts:
                 raise SearcherDied(f"{msg}; restart limit --max-searcher-restarts {self.cfg.max_searcher_restarts} reached")
             self.restarts += 1
-            print(f"{msg}; restarting it ({self.restarts}/{self.cfg.max_searcher_restarts})")
+            tqdm.write(f"{msg}; restarting it ({self.restarts}/{self.cfg.max_searcher_restarts})")
             self.queues[rank].cancel_join_thread()
             self.spawn(rank)
             self.send_job(rank)
@@ -214,7 +215,7 @@ def searcher_loop(rank, cfg, task, seed, link):
     from ops.memory import peak_memory
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
-    policy, ref, tokenizer, generator, device = load_searcher(cfg, rank, seed, HFGenerator)  # (vLLM's: --backend vllm)
+    ref, tokenizer, generator, device = load_searcher(cfg, rank, seed, HFGenerator)  # (vLLM's: --backend vllm)
     searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed, ref=ref)
     prompt_batches = PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed)
     version = ref_version = -1
