@@ -177,8 +177,8 @@ class ReplayBuffer:
                 p = None
                 if prioritization == "softmax":
                     logits = np.array([t.reward for t in candidates]) / reward_temp
-                    p = np.exp(logits - logits.max())
-                    p /= p.sum()
+                    p = np.exp(logits - logits.max()) + np.finfo(float).tiny  # (none exactly 0: far-apart
+                    p /= p.sum()  # rewards would leave fewer than K candidates to draw without replacement)
                 groups.append(self._draw(candidates, K, p))
         return groups
 

@@ -369,6 +369,21 @@ def test_buffer_softmax_frequencies():
 
 
 @quick
+def test_buffer_softmax_draws_never_raise_for_far_apart_rewards():
+    """Rewards 800 apart (exp underflows to 0 for all but one) and random finite scales: every draw of K = 2 without
+    replacement succeeds, the best response first in probability."""
+    buf = ReplayBuffer(capacity_per_prompt=10, seed=0)
+    buf.add([traj(0, (1,), reward=0.0), traj(0, (2,), reward=-800.0)])
+    groups = buf.sample(50, 2, m=0.0, prioritization="softmax")
+    assert all(sorted(t.response_ids for t in g) == [(1,), (2,)] for g in groups)
+    rng = np.random.default_rng(0)
+    for scale in (1.0, 1e3, 1e6, 1e300):
+        buf = ReplayBuffer(capacity_per_prompt=10, seed=0)
+        buf.add([traj(0, (i,), reward=float(r)) for i, r in enumerate(rng.normal(0, scale, size=5))])
+        assert all(len(g) == 4 for g in buf.sample(20, 4, m=0.0, prioritization="softmax", reward_temp=0.1))
+
+
+@quick
 def test_buffer_replacement_only_when_scarce():
     buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(0, [i]) for i in range(5)])

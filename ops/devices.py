@@ -97,8 +97,9 @@ def dry_run(cfg):
         num_gpus, gpu_bytes = parse_plan_for(cfg.plan_for)
         memory = resolve_and_plan(cfg, num_gpus, gpu_bytes, cfg.backend != "hf", f"--plan-for {cfg.plan_for}")
     else:
-        memory = resolve_and_plan(cfg, torch.cuda.device_count(), visible_gpu_bytes(),
-                                  importlib.util.find_spec("vllm") is not None, "the visible GPUs")
+        num_gpus, gpu_bytes = torch.cuda.device_count(), visible_gpu_bytes()
+        memory = resolve_and_plan(cfg, num_gpus, gpu_bytes, importlib.util.find_spec("vllm") is not None,
+                                  "the visible GPUs")
     print_config(cfg)
     print("\n".join(["", "process-to-device plan:", *device_plan(cfg)]))
     if memory:
