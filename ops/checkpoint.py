@@ -39,7 +39,7 @@ import os
 import shutil
 import time
 
-from config import ConfigError, RunError, flag
+from config import ConfigError, RunError, Stopped, flag
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "result.json", "checkpoints", "final", "evals",
              "tensorboard", "wandb")  # what a run writes
@@ -174,7 +174,7 @@ def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=2):
         write_text_atomic(os.path.join(root, "latest"), os.path.basename(final))
     except BaseException as e:  # (a second stop signal too): nothing half-written stays, the last checkpoint does
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception):
+        if isinstance(e, Exception) and not isinstance(e, Stopped):  # (a stop is a stop, not a failed write)
             raise write_error(final, e, needed) from None
         raise
     for old in checkpoints_newest_first(run_dir)[keep:]:

@@ -626,6 +626,25 @@ def test_a_second_signal_while_stopping_is_out_at_once_naming_the_last_complete_
     assert not _wait_gone(family, 10), "processes outlived the run"
 
 
+def test_a_second_signal_during_the_checkpoint_write_is_a_stop_not_a_failed_write(tmp_path, monkeypatch):
+    """The second Ctrl-C landing inside save_checkpoint (here: raised where the files are made readable) ends it as
+    a stop (Stopped, exit 130 and the last complete checkpoint named by the launcher), not as "cannot write ...:
+    stopped by SIGINT" (exit 1, naming the checkpoint that does not exist); nothing half-written stays."""
+    import ops.checkpoint
+    from config import Stopped
+    import tiny
+    policy = tiny.tiny_llama(tiny.word_tokenizer(["a", "b"]), 32, 1, 16, seed=0)
+    ref, opt = tiny.tiny_llama(tiny.word_tokenizer(["a", "b"]), 32, 1, 16, seed=0), torch.optim.AdamW(policy.parameters())
+
+    def interrupted(path):
+        raise Stopped(signal.SIGINT)
+    monkeypatch.setattr(ops.checkpoint, "respect_umask", interrupted)
+    with pytest.raises(Stopped) as stopped:
+        ops.checkpoint.save_checkpoint(str(tmp_path), 7, policy, ref, opt, ReplayBuffer(4), {}, keep=2)
+    assert stopped.value.exit_code == 130 and "cannot write" not in str(stopped.value)
+    assert not [n for n in os.listdir(tmp_path / "checkpoints") if ".tmp" in n]
+
+
 def test_metrics_stay_strict_json_with_each_step_once_after_kills_and_resumes(tmp_path, cache_dir):
     """Killed twice (SIGKILL to the whole group, once with a cut line appended to each file, as a crash mid-write
     leaves it) and resumed each time: metrics.jsonl and samples.jsonl are strict JSON with each step once."""
