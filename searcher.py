@@ -261,9 +261,9 @@ class Searcher:
         done = completions(self.tokenizer, responses, self.generator.stop_ids)  # texts, ids, whether each ended
         rewards = self.score([task.prompts[x] for x in ids], [c.text for c in done], [task.metas[x] for x in ids],
                              completion_ids=[list(c.token_ids) for c in done], step=policy_version, log=log)
-        unscored = sum(math.isnan(r) for r in rewards)  # (a NaN reward: nothing scored it; it is not sent)
         if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
             rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
+        unscored = sum(math.isnan(r) for r in rewards)  # (a NaN reward: nothing scored it; it is not sent)
         ref_logp = [math.nan] * len(ids) if self.ref is None else self.ref_logprobs(
             self.ref, prompts, responses, self.tokenizer.pad_token_id, cfg.score_temperature, cfg.micro_batch)
         trajectories = [Trajectory(prompt_id=x, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,

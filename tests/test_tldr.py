@@ -229,6 +229,9 @@ def test_no_eos_penalty_replaces_the_score():
     searcher = Searcher(cfg, task, Generator(), tokenizer, lambda p, c, m, **context: [0.7] * len(c), seed=0)
     trajectories = searcher.search([0], policy_version=0, ref_version=-1).trajectories
     assert [t.reward for t in trajectories] == [0.7, -1.0]
+    unscored = Searcher(cfg, task, Generator(), tokenizer, lambda p, c, m, **context: [math.nan] * len(c), seed=0)
+    batch = unscored.search([0], policy_version=0, ref_version=-1)  # (no reward scored either: the cut one is kept)
+    assert [t.reward for t in batch.trajectories] == [-1.0] and batch.report["unscored"] == 1, batch.report
 
 
 # -----------------------------------------------------------------------------
