@@ -42,6 +42,7 @@ import math
 import numbers
 import os
 import re
+import threading
 from dataclasses import dataclass
 
 from config import Config, ConfigError, RunError, knob
@@ -165,7 +166,17 @@ class RewardScorer:
 
         async def together():
             return await asyncio.gather(*(call(i) for i in range(len(self.fns))))
-        return asyncio.run(together())
+        if not any(inspect.iscoroutinefunction(fn) for fn in self.fns):
+            return asyncio.run(together())  # (nothing to await: no loop kept)
+        return asyncio.run_coroutine_threadsafe(together(), self._event_loop()).result()
+
+    def _event_loop(self):
+        """An event loop of the scorer's own, on a thread of its own, made on first use: the async rewards are
+        awaited there, so that a caller inside a running loop (a notebook) can score too (asyncio.run cannot)."""
+        if getattr(self, "_loop", None) is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="rewards-event-loop", daemon=True).start()
+        return self._loop
 
     @staticmethod
     def _checked(spec, out, n):

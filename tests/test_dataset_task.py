@@ -267,6 +267,20 @@ def test_rewards_written_as_trls_documentation_writes_them(tmp_path):
     assert log == {"metrics": {"accuracy": [0.5]}, "extra": {"golden_answer": ["4", "1"], "extracted_answer": ["4", "[none]"]}}
 
 
+def test_async_rewards_score_inside_a_running_event_loop(tmp_path):
+    """Scoring from inside a running event loop (a notebook's): the async rewards are awaited on the scorer's own
+    loop (asyncio.run raised "cannot be called from a running event loop")."""
+    import asyncio
+    path = tmp_path / "rewards.py"
+    path.write_text("import asyncio\n\nasync def slow(prompts, completions, **kwargs):\n    await asyncio.sleep(0)\n"
+                    "    return [float(len(c)) for c in completions]\n")
+    scorer = RewardScorer([f"{path}:slow"], [1.0], "prompt", False, 10)
+
+    async def inside_a_loop():
+        return scorer(["p", "q"], ["ab", "abc"], [{"prompt": "p"}, {"prompt": "q"}])
+    assert asyncio.run(inside_a_loop()) == [2.0, 3.0]
+
+
 def test_two_rewards_one_async_with_weights_learn_and_none_is_skipped(own, tmp_path):
     """python tba.py with two rewards (one async) and weights learns; a TRL-signature reward taking completion_ids runs
     unchanged, and a completion it scores None (with nothing else scoring it) is skipped, counted, warned about."""
