@@ -626,6 +626,31 @@ def test_a_second_signal_while_stopping_is_out_at_once_naming_the_last_complete_
     assert not _wait_gone(family, 10), "processes outlived the run"
 
 
+def test_a_crashed_writes_leftovers_are_removed_when_a_run_claims_its_directory(tmp_path):
+    """What a crash mid-write leaves (a step-N.tmpPID checkpoint folder, a file.tmpPID) is removed when a run claims
+    the directory; complete checkpoints and what is not a leftover stay."""
+    from config import Config
+    from ops.checkpoint import checkpoints_newest_first, prepare_run_dir, release_run_dir, remove_leftovers
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000004").mkdir(parents=True)
+    (run / "checkpoints" / "step-000004" / "state.json").write_text("{}")
+    (run / "checkpoints" / "step-000006.tmp4242").mkdir()
+    (run / "checkpoints" / "step-000006.tmp4242" / "model.safetensors").write_text("cut")
+    (run / "notes.txt").write_text("mine")
+    remove_leftovers(str(run))
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-000004"] and (run / "notes.txt").exists()
+    assert checkpoints_newest_first(str(run)) == [str(run / "checkpoints" / "step-000004")]
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "result.json.tmp77").write_text("{")
+    (fresh / "final.tmp77").mkdir()
+    try:
+        prepare_run_dir(Config(run_dir=str(fresh)), run_dir_given=True)
+    finally:
+        release_run_dir()
+    assert sorted(os.listdir(fresh)) == [".lock"], "a run claiming its directory removes a crash's leftovers"
+
+
 def test_a_second_signal_during_the_checkpoint_write_is_a_stop_not_a_failed_write(tmp_path, monkeypatch):
     """The second Ctrl-C landing inside save_checkpoint (here: raised where the files are made readable) ends it as
     a stop (Stopped, exit 130 and the last complete checkpoint named by the launcher), not as "cannot write ...:
