@@ -272,7 +272,7 @@ class Searcher:
                                    behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (GRPO only)
                         for x, r, rw, b, lr in zip(ids, responses, rewards, behavior or [()] * len(ids), ref_logp)
                         if not math.isnan(rw)]  # (a backend without behaviour log-probs: none)
-        return Batch(trajectories, {"reward_metrics": log["metrics"], "unscored": unscored})
+        return Batch(trajectories, {"reward_metrics": log["metrics"], "unscored": unscored, "sent": len(trajectories)})
 
 
 class HFGenerator:

@@ -655,6 +655,29 @@ def test_merge_waits_while_a_poll_brings_only_stale_trajectories(tmp_path):
     assert run.books.waited >= 0.05, "the wait is measured, and logged as time/wait"
 
 
+def test_merge_ends_when_only_unscored_completions_follow_a_stale_batch(tmp_path):
+    """A stale, scored batch first, then only completions that every reward scored None (each searcher batch
+    empty): the wait for a fresh round ends with one line naming the cause (it waited forever: the stale batch
+    made `have` non-zero, and the empty batches kept the searchers from looking silent)."""
+    import types
+    import tba
+    from config import Config, RunError
+    from ops.bookkeeping import Bookkeeping
+    polls = iter([([traj(0, (1,), version=2)], [{"unscored": 0, "sent": 1}])] + [([], [{"unscored": 16, "sent": 0}])] * 100)
+
+    def poll():
+        try:
+            return next(polls)
+        except StopIteration:
+            raise AssertionError("the wait never ended") from None
+    searchers = types.SimpleNamespace(poll=poll, check_alive=lambda: None, restarts=0)
+    run = types.SimpleNamespace(cfg=Config(sync_every=4, batch_size=16, run_dir=str(tmp_path)), searchers=searchers,
+                                start=0, ref_version=0, buffer=ReplayBuffer(capacity_per_prompt=5, seed=0))
+    run.books = Bookkeeping(run)
+    with pytest.raises(RunError, match=r"no reward scored any of the last 64 completions"):
+        tba.merge(run, 8)
+
+
 # -----------------------------------------------------------------------------
 # The evaluation routine
 

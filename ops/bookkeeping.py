@@ -133,8 +133,12 @@ class Bookkeeping:
         if self.requested:
             raise StopRequested
         self.run.searchers.check_alive()
-        unscored = sum(r.get("unscored", 0) for r in reports)
-        if not have and unscored >= 4 * self.cfg.batch_size:  # (every reward None, again and again: nothing comes)
+        unscored = 0  # completions no reward scored since the last batch that sent any (stale ones count too)
+        for report in reversed(reports):
+            if report.get("sent", 0):
+                break
+            unscored += report.get("unscored", 0)
+        if unscored >= 4 * self.cfg.batch_size:  # (every reward None, again and again: nothing comes)
             raise RunError(f"no reward scored any of the last {unscored} completions (every one returned None or NaN): "
                            f"nothing to train on")
 
