@@ -542,6 +542,28 @@ def test_shared_weights_reach_a_spawned_process_in_the_searchers_dtype(dtype):
     assert dtypes == {dtype} and shared.tensors["cpu"]["weight"].is_shared()
 
 
+def test_a_searcher_spawned_after_allocation_receives_no_device_copies():
+    """SharedWeights travels to a (re)started searcher without its copies (only its job carries its own device's),
+    yet the child still pulls newer weights through it."""
+    import torch.multiprocessing as mp
+    from ops.weights import SharedWeights
+    ctx = mp.get_context("spawn")
+    shared = SharedWeights(ctx)
+    model = torch.nn.Linear(3, 2)
+    shared.allocate(model, version=0, devices=["cpu"], dtype=torch.float32)
+    shared.publish(model, version=3)
+    results = ctx.Queue()
+    child = ctx.Process(target=_count_copies_in_child, args=(shared, shared.tensors["cpu"], results))
+    child.start()
+    copies, version = results.get(timeout=60)
+    child.join(timeout=30)
+    assert copies == 0 and version == 3 and shared.tensors["cpu"]
+
+
+def _count_copies_in_child(shared, tensors, results):
+    results.put((len(shared.tensors), shared.pull(torch.nn.Linear(3, 2), tensors, have_version=-1)))
+
+
 def _pull_in_child(shared, tensors, dtype, results):
     model = torch.nn.Linear(3, 2).to(dtype)  # (a searcher's model, in the searchers' dtype)
     version = shared.pull(model, tensors, have_version=-1)

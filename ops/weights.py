@@ -42,6 +42,11 @@ class SharedWeights:
         self.lock = ctx.Lock()
         self.tensors = {}  # device -> {name: tensor}
 
+    def __getstate__(self):
+        """What a searcher process is spawned with: the counter and its lock, not the copies (its own device's copy
+        comes with its job): a searcher restarted after `allocate` would otherwise map every device's copy."""
+        return {"version": self.version, "lock": self.lock, "tensors": {}}
+
     def allocate(self, model, version, devices, dtype):
         """A copy of `model`'s state dict on each device, floating-point tensors in `dtype`."""
         for device in dict.fromkeys(devices):
