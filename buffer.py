@@ -12,8 +12,10 @@ last sync as one *round* with `ReplayBuffer.add`. Training batches are drawn wit
   "The next prompt" is dealt from a shuffled deck (`Deck`), so prompts come without replacement until the
   deck is used up; the latest round's deck is then reshuffled, the all-prompts deck refilled with every
   prompt seen so far (as the official code does). A sync that brings no new data keeps the previous round
-  (the trainer waits instead, unless --no-fresh-rounds: tba.merge). Responses are drawn without replacement,
-  and with replacement only when a prompt has fewer than K candidates.
+  (the trainer waits instead, unless --no-fresh-rounds: tba.merge); a kept round loses what is replaced by a
+  newer copy or evicted, and once it holds nothing every draw takes from all prompts, whatever m (the metric
+  buffer/latest_frac, the realised m, shows it). Responses are drawn without replacement, and with replacement
+  only when a prompt has fewer than K candidates.
 
 Storage rules (paper Sec. 3): a response identical to one already stored for the same prompt (same token
 ids) replaces it, so only the newest copy is kept; each prompt keeps at most `capacity_per_prompt` items,

@@ -384,6 +384,19 @@ def test_buffer_softmax_draws_never_raise_for_far_apart_rewards():
 
 
 @quick
+def test_buffer_kept_round_emptied_by_drops_sends_m1_draws_to_all_prompts():
+    """The rule the docstring states: a kept round (no new one formed) whose items were all replaced by newer copies
+    holds nothing, and m = 1 then draws from all prompts: the newer copy, not nothing and not an error."""
+    buf = ReplayBuffer(capacity_per_prompt=4, seed=0)
+    buf.add([traj(0, (1,), version=4)], round_min_version=4)
+    assert buf.add([traj(0, (1,), version=6), traj(1, (2,), version=6)], round_min_version=8) == 0  # (no new round)
+    buf.check()
+    assert not buf.latest, "every item of the kept round was replaced"
+    drawn = {(t.prompt_id, t.policy_version) for g in buf.sample(10, 1, m=1.0) for t in g}
+    assert drawn == {(0, 6), (1, 6)}
+
+
+@quick
 def test_buffer_replacement_only_when_scarce():
     buf = ReplayBuffer(capacity_per_prompt=100, seed=0)
     buf.add([traj(0, [i]) for i in range(5)])
