@@ -237,18 +237,21 @@ SHM_FLOOR = 1 << 20  # the processes' semaphores, queue and counter pages (a tmp
 
 
 def shared_memory_bytes(cfg, params=None):
-    """What a run puts in /dev/shm: the searcher processes' semaphores and counters, and the copy of the policy
-    (and the reference, if the objective reads it) that the trainer shares with searchers whose copy is on the
-    host (ops/weights.shared_device), in their dtype. params: the policy's parameter count, if known."""
+    """What a run puts in /dev/shm: the searcher processes' semaphores and counters, the copy of the policy (and
+    the reference, if the objective reads it) that the trainer shares with searchers whose copy is on the host
+    (ops/weights.shared_device), and with the vLLM backend each searcher's snapshot of the policy, which it
+    writes there to reload its engine at every sync (ops/vllm_backend.py), all in the searchers' dtype.
+    params: the policy's parameter count, if known."""
     if cfg.sync:
         return 0
     from ops.weights import shared_device
     host = any(shared_device(cfg, d) == "cpu" for d in cfg.searcher_devices)
-    if host and params is None and cfg.model:
+    snapshots = cfg.num_searchers if cfg.backend == "vllm" else 0  # (at once, in the worst case)
+    if (host or snapshots) and params is None and cfg.model:
         shape = None if os.path.isdir(cfg.model) else shape_of(cfg.model)
         params = local_params(cfg.model) if os.path.isdir(cfg.model) else shape.params if shape else None
-    copies = 1 + ("ref_logp" in cfg.needs)
-    return SHM_FLOOR + (params or 0) * BYTES[cfg.searcher_dtype] * copies * host
+    copies = (1 + ("ref_logp" in cfg.needs)) * host + snapshots
+    return SHM_FLOOR + (params or 0) * BYTES[cfg.searcher_dtype] * copies
 
 
 def local_params(path):

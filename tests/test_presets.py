@@ -112,3 +112,14 @@ def test_paper_dry_run_on_a_simulated_one_gpu_machine_prints_its_plan(monkeypatc
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
     assert "memory plan (estimates; GPUs of 80 GiB):" in out and "cuda:0" in out
+
+
+def test_dev_shm_need_counts_each_vllm_searchers_snapshot():
+    """With --backend vllm each searcher writes a snapshot of the policy to /dev/shm at every sync (ops/vllm_backend.py):
+    the need counts one per searcher, beside the host copies the trainer shares (policy and reference)."""
+    from config import Config
+    from ops.memory import SHM_FLOOR, shared_memory_bytes
+    cfg = lambda backend: Config(backend=backend, num_searchers=2, searcher_dtype="bfloat16", searcher_device="cpu")
+    params = 10 ** 9
+    assert shared_memory_bytes(cfg("hf"), params) == SHM_FLOOR + params * 2 * 2  # (policy and reference, shared)
+    assert shared_memory_bytes(cfg("vllm"), params) == SHM_FLOOR + params * 2 * (2 + 2)  # (and 2 snapshots)
