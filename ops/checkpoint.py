@@ -239,10 +239,21 @@ def _saved_at(path):
         return 0.0  # unreadable: oldest
 
 
+# names a checkpoint written before the query -> prompt rename (2026-12-06) uses, and what they are now
+RENAMED = {"query_id": "prompt_id", "responses_per_query": "responses_per_prompt",
+           "capacity_per_query": "capacity_per_prompt", "micro_batch_queries": "micro_batch_prompts"}
+
+
+def renamed(record):
+    """A record (a Trajectory's, a config's) with the names of before the rename made today's."""
+    return {RENAMED.get(k, k): v for k, v in record.items()}
+
+
 def read_state(path):
-    """The state.json of a checkpoint (step, counters, the config it was saved with)."""
+    """The state.json of a checkpoint (step, counters, the config it was saved with, in today's names)."""
     with open(os.path.join(path, "state.json")) as f:
-        return json.load(f)
+        state = json.load(f)
+    return {**state, "config": renamed(state["config"])} if "config" in state else state
 
 
 def load_checkpoint(path, policy, ref, opt, buffer):
@@ -272,7 +283,8 @@ def load_checkpoint(path, policy, ref, opt, buffer):
             torch.cuda.set_rng_state_all(rng["cuda"])
         current = os.path.join(path, "buffer.json")
         with open(current) as f:
-            buffer.load_state_dict(json.load(f))
+            saved = json.load(f)
+        buffer.load_state_dict({**saved, "items": [renamed(r) for r in saved["items"]]})
         current = os.path.join(path, "state.json")
         return read_state(path)
     except Exception as e:  # any unreadable or inconsistent file: name it, one line

@@ -626,6 +626,26 @@ def test_a_second_signal_while_stopping_is_out_at_once_naming_the_last_complete_
     assert not _wait_gone(family, 10), "processes outlived the run"
 
 
+def test_a_checkpoint_from_before_the_query_rename_resumes(tmp_path, cache_dir):
+    """A checkpoint written with the names of before the query -> prompt rename (Trajectory.query_id, the config's
+    responses_per_query, capacity_per_query, micro_batch_queries) resumes (it ended "no checkpoint could be read")."""
+    args = tiny_args(tmp_path, cache_dir)
+    out = subprocess.run(args + ["--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    old = {v: k for k, v in __import__("ops.checkpoint", fromlist=["RENAMED"]).RENAMED.items()}
+    path = tmp_path / "run" / "checkpoints" / "step-000002"
+    buffer, state = json.loads((path / "buffer.json").read_text()), json.loads((path / "state.json").read_text())
+    buffer["items"] = [{old.get(k, k): v for k, v in r.items()} for r in buffer["items"]]
+    state["config"] = {old.get(k, k): v for k, v in state["config"].items()}
+    assert "query_id" in buffer["items"][0] and "responses_per_query" in state["config"]
+    (path / "buffer.json").write_text(json.dumps(buffer))
+    (path / "state.json").write_text(json.dumps(state))
+    resumed = subprocess.run(args[:args.index("--run-dir")] + args[args.index("--run-dir") + 2:]
+                             + ["--resume", str(tmp_path / "run"), "--steps", "4"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+
+
 def test_a_crashed_writes_leftovers_are_removed_when_a_run_claims_its_directory(tmp_path):
     """What a crash mid-write leaves (a step-N.tmpPID checkpoint folder, a file.tmpPID) is removed when a run claims
     the directory; complete checkpoints and what is not a leftover stay."""
