@@ -632,7 +632,8 @@ def test_a_checkpoint_from_before_the_query_rename_resumes(tmp_path, cache_dir):
     args = tiny_args(tmp_path, cache_dir)
     out = subprocess.run(args + ["--steps", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    old = {v: k for k, v in __import__("ops.checkpoint", fromlist=["RENAMED"]).RENAMED.items()}
+    old = {"prompt_id": "query_id", "responses_per_prompt": "responses_per_query", "capacity_per_prompt": "capacity_per_query",
+           "micro_batch_prompts": "micro_batch_queries"}
     path = tmp_path / "run" / "checkpoints" / "step-000002"
     buffer, state = json.loads((path / "buffer.json").read_text()), json.loads((path / "state.json").read_text())
     buffer["items"] = [{old.get(k, k): v for k, v in r.items()} for r in buffer["items"]]
