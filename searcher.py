@@ -44,9 +44,10 @@ from tqdm import tqdm
 
 from buffer import Trajectory
 from config import SearcherDied
-from loss import score_logprobs, token_logprobs
+from loss import score_logprobs
 from ops.devices import torchrun_rank
-from ops.models import PromptTokens, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs, stop_ids
+from ops.models import (PromptTokens, TokenLogprobs, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs,
+                        stop_ids)
 from ops.processes import drain, start_process, start_resource_tracker, stop_processes
 from ops.weights import SharedWeights, allocate_shared
 
@@ -295,15 +296,15 @@ class HFGenerator:
         rows = {"input_ids": [p for p in prompt_tokens for _ in range(n)]}
         inputs = self.tokenizer.pad(rows, padding_side="left", return_tensors="pt").to(self.model.device)  # (N, P)
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        recorder = TokenLogprobs(score_temperature) if score_temperature is not None else None  # (each step's log-probs)
         out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=list(self.stop_ids), return_dict_in_generate=True,
-                                  output_logits=score_temperature is not None, **sampling)
-        new = out.sequences[:, inputs["input_ids"].shape[1]:]  # (N, T) generated ids, padded after a stop id
+                                  eos_token_id=list(self.stop_ids), logits_processor=recorder and recorder.processors(),
+                                  **sampling)
+        new = out[:, inputs["input_ids"].shape[1]:]  # (N, T) generated ids, padded after a stop id
         responses = [cut_at_eos(row, self.stop_ids) for row in new.tolist()]
-        if score_temperature is None:
+        if recorder is None:
             return responses, None
-        token_logp = token_logprobs(torch.stack(out.logits, dim=1), new, score_temperature)  # (N, T): raw logits / T
-        return responses, [tuple(row[:len(r)]) for row, r in zip(token_logp.tolist(), responses)]
+        return responses, [tuple(row[:len(r)]) for row, r in zip(recorder.finish(new), responses)]
 
     def generate(self, prompt_tokens, n, temperature, greedy=False):
         """`sample`'s responses alone (an evaluation's greedy completions)."""

@@ -10,6 +10,7 @@ The algorithm does not live here: log-probs are loss.py's, generation is searche
     load_searcher(cfg, rank, ...)     a searcher's policy copy, reference and generator, on its device, in its dtype
     encode_prompts(tokenizer, texts)  prompt token ids, never with a second BOS (chat templates render one)
     PromptTokens(tokenizer, texts)    the same by index, each encoded on first use
+    TokenLogprobs(temperature)        a logits processor: each generated token's log-prob, as generation runs
     stop_ids(model, tokenizer)        every id that ends a response: the tokenizer's EOS and the model's
                                       generation-config EOS ids (a chat model ends its turn with another id)
     policy_logprobs_fast(...)         loss.response_logprobs for Q prompts x K responses, each prompt run once
@@ -146,6 +147,33 @@ def compute_dtype(cfg):
 
 # -----------------------------------------------------------------------------
 # Generation and scoring
+
+class TokenLogprobs:
+    """A logits processor that records log softmax(logits / T) of each generated token, one step at a time (the
+    logits of every step at once would be N x T x V: gigabytes for a large vocabulary). transformers runs it on the
+    model's logits before the sampling temperature is applied; the token chosen at one step is read from the next
+    step's input ids (and the last one from the output, by `finish`). searcher.HFGenerator passes `processors()`
+    to `generate`."""
+
+    def __init__(self, temperature):
+        self.temperature, self.steps, self.last = temperature, [], None
+
+    def processors(self):
+        from transformers import LogitsProcessorList
+        return LogitsProcessorList([self])
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, generated):
+        """`generated`: (N, T) the new tokens; their log-probs, (N, T) as nested lists."""
+        self.steps.append(self.last.gather(1, generated[:, -1:].to(self.last.device)))
+        token_logp, self.steps, self.last = torch.cat(self.steps, dim=1).cpu().tolist(), [], None
+        return token_logp
+
 
 def stop_ids(model, tokenizer):
     """Every token id that ends a response: the tokenizer's EOS and every EOS id of the model's generation
