@@ -175,6 +175,7 @@ def plan(cfg, gpu_bytes):
     if not cfg.sync:
         processes += [(f"searcher-{r}", d, searcher_estimate(cfg, shape, searcher_extra))
                       for r, d in enumerate(cfg.searcher_devices)]
+    add_shared_copies(cfg, shape, processes)
     share = fit_vllm(cfg, shape, processes, gpu_bytes)
     lines = [f"--vllm-gpu-memory-utilization {cfg.vllm_gpu_memory_utilization} -> {share:.3f}: what the processes "
              f"sharing its GPU leave"] if share is not None else []
@@ -183,6 +184,20 @@ def plan(cfg, gpu_bytes):
              for name, device, est in processes]
     lines += [f"not counted (shape not at hand): {', '.join(unknown_t + unknown_s)}"] if unknown_t + unknown_s else []
     return lines, problems(processes, gpu_bytes)
+
+
+def add_shared_copies(cfg, shape, processes):
+    """What the trainer allocates on each HF searcher's GPU (ops/weights.SharedWeights): a copy of the policy, and of
+    the reference if the objective reads it, in the searchers' dtype; on another GPU than its own, with a CUDA
+    context there (`total`). vLLM searchers' copies are in host memory (/dev/shm: check_shared_memory)."""
+    if cfg.sync or cfg.backend == "vllm":
+        return
+    copies = shape.params * BYTES[cfg.searcher_dtype] * (1 + ("ref_logp" in cfg.needs))
+    for device in dict.fromkeys(d for d in cfg.searcher_devices if d.startswith("cuda")):
+        if device == cfg.device:
+            processes[0][2]["weights shared with its searchers"] = copies  # (the trainer's entry, its own GPU)
+        else:
+            processes.append(("trainer", device, {"weights shared with its searchers": copies}))
 
 
 def total(estimate):

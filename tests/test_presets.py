@@ -123,3 +123,20 @@ def test_dev_shm_need_counts_each_vllm_searchers_snapshot():
     params = 10 ** 9
     assert shared_memory_bytes(cfg("hf"), params) == SHM_FLOOR + params * 2 * 2  # (policy and reference, shared)
     assert shared_memory_bytes(cfg("vllm"), params) == SHM_FLOOR + params * 2 * (2 + 2)  # (and 2 snapshots)
+
+
+def test_the_plan_counts_the_weights_the_trainer_shares_on_each_hf_searchers_gpu():
+    """With --backend hf the trainer keeps a copy of the policy and the reference (RhoMath-1B in bfloat16: 4.1 GiB)
+    on each searcher's GPU (ops/weights.SharedWeights): the plan counts it there, with a CUDA context on another
+    GPU, and in the trainer's own entry on its GPU (it counted none of them)."""
+    def plan_lines(machine):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--preset", "paper", "--dry-run",
+                              "--plan-for", machine, "--backend", "hf"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split("memory plan")[1].splitlines()
+    four = plan_lines("4x80")
+    for gpu in (1, 2, 3):
+        assert any(l.startswith(f"trainer     : cuda:{gpu},    4.6 GiB  (weights shared with its searchers 4.1)")
+                   for l in four), four
+    one = [l for l in plan_lines("1x80") if l.startswith("trainer ")]
+    assert len(one) == 1 and "weights shared with its searchers 4.1" in one[0] and " 53.2 GiB" in one[0], one
