@@ -45,9 +45,9 @@ from tqdm import tqdm
 from buffer import Trajectory
 from config import SearcherDied
 from loss import score_logprobs
+from ops.backends import load_searcher
 from ops.devices import torchrun_rank
-from ops.models import (PromptTokens, TokenLogprobs, completions, cut_at_eos, load_searcher, shared_prompt_score_logprobs,
-                        stop_ids)
+from ops.models import PromptTokens, TokenLogprobs, completions, cut_at_eos, shared_prompt_score_logprobs, stop_ids
 from ops.processes import drain, start_process, start_resource_tracker, stop_processes
 from ops.weights import SharedWeights, allocate_shared
 

@@ -439,6 +439,29 @@ def test_copied_alone_into_an_empty_folder_it_runs_with_torch_and_numpy_only(tmp
 # rewards.py
 
 @quick
+def test_imports_go_one_way_even_through_function_local_imports():
+    """No cycle among the project's modules, counting every import statement (function-local ones included)."""
+    import ast
+    import glob
+    files = [os.path.relpath(f, ROOT) for pattern in ("*.py", "ops/*.py", "tasks/*.py", "bench/*.py")
+             for f in glob.glob(os.path.join(ROOT, pattern))]
+    modules = {f[:-3].replace(os.sep, "."): f for f in files}
+    imports = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        imports[name] = found - {name}
+
+    def reaches(start, target, seen):
+        return any(m == target or (m not in seen and reaches(m, target, seen | {m})) for m in imports[start])
+    assert not [m for m in modules if reaches(m, m, {m})], "a cycle of imports"
+
+
+@quick
 @pytest.mark.parametrize("text,value", [
     ("so she has 1,000 apples", 1000.0),
     ("The total is $1,000.00.", 1000.0),

@@ -251,15 +251,23 @@ SHM = "/dev/shm"
 SHM_FLOOR = 1 << 20  # the processes' semaphores, queue and counter pages (a tmpfs page each), with room to spare
 
 
+def shared_device(cfg, device):
+    """Where a searcher's copy of the weights lives: on its device, but in host shared memory for vLLM on a GPU."""
+    return "cpu" if cfg.backend == "vllm" else device
+
+
+# -----------------------------------------------------------------------------
+# A torchrun job: packed, sent over gloo
+
+
 def shared_memory_bytes(cfg, params=None):
     """What a run puts in /dev/shm: the searcher processes' semaphores and counters, the copy of the policy (and
     the reference, if the objective reads it) that the trainer shares with searchers whose copy is on the host
-    (ops/weights.shared_device), and with the vLLM backend each searcher's snapshot of the policy, which it
+    (`shared_device`), and with the vLLM backend each searcher's snapshot of the policy, which it
     writes there to reload its engine at every sync (ops/vllm_backend.py), all in the searchers' dtype.
     params: the policy's parameter count, if known."""
     if cfg.sync:
         return 0
-    from ops.weights import shared_device
     host = any(shared_device(cfg, d) == "cpu" for d in cfg.searcher_devices)
     snapshots = cfg.num_searchers if cfg.backend == "vllm" else 0  # (at once, in the worst case)
     if (host or snapshots) and params is None and cfg.model:

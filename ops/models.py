@@ -7,7 +7,6 @@ The algorithm does not live here: log-probs are loss.py's, generation is searche
     load_model(path, device, dtype)   AutoModelForCausalLM + AutoTokenizer, in eval mode, with a pad token
     load_trainer_models(cfg)          the policy and its reference (LoRA: one model, the adapters on and off)
     load_for_training(cfg, task)      the same, and the task without prompts over --max-prompt-tokens
-    load_searcher(cfg, rank, ...)     a searcher's policy copy, reference and generator, on its device, in its dtype
     encode_prompts(tokenizer, texts)  prompt token ids, never with a second BOS (chat templates render one)
     PromptTokens(tokenizer, texts)    the same by index, each encoded on first use
     TokenLogprobs(temperature)        a logits processor: each generated token's log-prob, as generation runs
@@ -92,22 +91,6 @@ def load_from_flag(cfg, field, dtype):
         return load_model(path, cfg.device, dtype, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--{field.replace('_', '-')} {path}: cannot load it ({str(e).splitlines()[0]})") from None
-
-
-def load_searcher(cfg, rank, seed, hf_generator):
-    """A searcher's models: (reference or None, tokenizer, generator, device), on its device (ops/devices.claim_gpu:
-    vLLM takes the first visible GPU, so the others are masked) and in --searcher-dtype. The generator holds the
-    policy: `hf_generator` (searcher.HFGenerator) on it, or with --backend vllm ops/vllm_backend.VLLMGenerator
-    (imported only then: vLLM is optional). The reference is loaded only for objectives that read log pi_ref."""
-    from ops.devices import claim_gpu
-    device, dtype = claim_gpu(cfg, cfg.searcher_devices[rank]), dtype_of(cfg.searcher_dtype)
-    policy, tokenizer = load_model(cfg.model, device, dtype, cfg.trust_remote_code)
-    ref = (load_model(cfg.ref_model or cfg.model, device, dtype, cfg.trust_remote_code)[0]
-           if "ref_logp" in cfg.needs else None)
-    if cfg.backend == "vllm":
-        from ops.vllm_backend import VLLMGenerator
-        return ref, tokenizer, VLLMGenerator(cfg, policy, tokenizer, seed, device), device
-    return ref, tokenizer, hf_generator(policy, tokenizer, cfg.max_new_tokens), device
 
 
 def encode_prompts(tokenizer, texts):

@@ -6,7 +6,7 @@ searchers' dtype, shared through torch.multiprocessing: shared memory on a CPU, 
 processes on a GPU. A publish is one copy into it (the cast to the searchers' dtype included, device to device),
 a pull one copy out of it: no trip through host memory on a GPU, nothing pickled. Exception: a vLLM searcher on a
 GPU sees only its own GPU (ops/devices.claim_gpu), and CUDA IPC needs both processes to number the GPUs alike,
-so its copy is kept in host shared memory (`shared_device`).
+so its copy is kept in host shared memory (ops/memory.shared_device).
 
 A torchrun job (ops/distributed.py): the state dict packed into one byte tensor (cast to the searchers' dtype),
 sent to every searcher rank with gloo point-to-point on a background thread, and unpacked there as views (no
@@ -81,7 +81,7 @@ def allocate_shared(cfg, weights, policy, ref, step, ref_version):
     """The searchers' shared weights (`weights`: kind -> SharedWeights) allocated from the trainer's models, a copy
     per searcher device in the searchers' dtype; the reference only for objectives that read it. /dev/shm is
     checked first, now that the model's size is known. Returns where each searcher's copy is."""
-    from ops.memory import check_shared_memory
+    from ops.memory import check_shared_memory, shared_device
     from ops.models import dtype_of
     check_shared_memory(cfg, params=sum(t.numel() for t in policy.state_dict().values()))
     devices = [shared_device(cfg, d) for d in cfg.searcher_devices]
@@ -95,15 +95,6 @@ def synchronize(*state_dicts):
     """Wait for the CUDA devices the state dicts live on (copies between them are asynchronous)."""
     for device in {t.device for state in state_dicts for t in state.values() if t.is_cuda}:
         torch.cuda.synchronize(device)
-
-
-def shared_device(cfg, device):
-    """Where a searcher's copy of the weights lives: on its device, but in host shared memory for vLLM on a GPU."""
-    return "cpu" if cfg.backend == "vllm" else device
-
-
-# -----------------------------------------------------------------------------
-# A torchrun job: packed, sent over gloo
 
 
 def layout(model, dtype=None):
