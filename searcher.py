@@ -298,7 +298,7 @@ class HFGenerator:
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         recorder = TokenLogprobs(score_temperature) if score_temperature is not None else None  # (each step's log-probs)
         out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=list(self.stop_ids), logits_processor=recorder and recorder.processors(),
+                                  eos_token_id=list(self.stop_ids), logits_processor=[recorder] if recorder else None,
                                   **sampling)
         new = out[:, inputs["input_ids"].shape[1]:]  # (N, T) generated ids, padded after a stop id
         responses = [cut_at_eos(row, self.stop_ids) for row in new.tolist()]

@@ -135,15 +135,11 @@ class TokenLogprobs:
     """A logits processor that records log softmax(logits / T) of each generated token, one step at a time (the
     logits of every step at once would be N x T x V: gigabytes for a large vocabulary). transformers runs it on the
     model's logits before the sampling temperature is applied; the token chosen at one step is read from the next
-    step's input ids (and the last one from the output, by `finish`). searcher.HFGenerator passes `processors()`
-    to `generate`."""
+    step's input ids (and the last one from the output, by `finish`). searcher.HFGenerator passes it to
+    `generate` (logits_processor=[recorder])."""
 
     def __init__(self, temperature):
         self.temperature, self.steps, self.last = temperature, [], None
-
-    def processors(self):
-        from transformers import LogitsProcessorList
-        return LogitsProcessorList([self])
 
     def __call__(self, input_ids, scores):
         if self.last is not None:
