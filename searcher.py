@@ -12,11 +12,9 @@ A searcher process (`searcher_process`, then `searcher_loop`) repeats, never wai
     score        the task's reward, and log pi_ref of each response
     send         a Batch of Trajectories (prompt, response, reward, policy version) on its own queue
 The trainer holds a `SearcherHandle` (the interface below): start, poll (what arrived: tba.merge makes a round
-of it), publish, publish_ref, close. `Searchers` is the one a reader reads: processes on this machine, one
-queue each, weights shared through ops/weights.SharedWeights. The variants behind the same interface live in
-ops/: torchrun (ops/distributed.py, which runs the same `searcher_loop` with a link over the network) and the
-vLLM backend (ops/vllm_backend.py); --sync (`SyncSearch`, at the end of this file: the trainer's own process)
-and the restarts of a failed searcher (`Searchers.check_alive`) are operations too, off the reader's path.
+of it), publish, publish_ref, close. `Searchers`, the one a reader reads, runs processes on this machine, a queue
+each, weights shared through ops/weights.SharedWeights. Off the reader's path: torchrun (ops/distributed.py, the
+same `searcher_loop` over the network), vLLM (ops/vllm_backend.py), --sync (`SyncSearch`), restarts.
 
 Departures from the official code:
   1. Searchers never block on a barrier at sync time; the trainer merges whatever has arrived, and waits
@@ -47,7 +45,9 @@ from config import SearcherDied
 from loss import score_logprobs
 from ops.backends import load_searcher
 from ops.devices import torchrun_rank
-from ops.models import PromptTokens, TokenLogprobs, completions, cut_at_eos, shared_prompt_score_logprobs, stop_ids
+from ops.memory import peak_memory
+from ops.models import (PromptTokens, TokenLogprobs, autocast, completions, cut_at_eos, shared_prompt_score_logprobs,
+                        stop_ids)
 from ops.processes import drain, start_process, start_resource_tracker, stop_processes
 from ops.weights import SharedWeights, allocate_shared
 
@@ -72,11 +72,8 @@ class SearcherHandle(Protocol):
     def close(self):
         """Stop every searcher (also what leaving the `with` block does)."""
 
-    # operations (ops/bookkeeping.py): hold them during an evaluation, a dead or silent one, checkpoints
-    def pause(self, paused): ...
-    def check_alive(self): ...
-    def state_dict(self): ...
-    def load_state_dict(self, state): ...
+    # and for operations (ops/bookkeeping.py): pause(paused) during an evaluation, check_alive() (a dead or silent
+    # searcher), state_dict() and load_state_dict(state) for checkpoints
 
 
 def spawn_searchers(cfg):
@@ -84,7 +81,7 @@ def spawn_searchers(cfg):
     machine (`Searchers`), or a variant with the same interface (--sync: `SyncSearch`; torchrun:
     ops/distributed.py). Use it as a context manager: its end stops them, on every path."""
     if cfg.sync:  # the on-policy baseline: the trainer generates each batch itself (`SyncSearch`, below)
-        return SyncSearch(cfg)
+        return contextlib.closing(SyncSearch(cfg))
     if torchrun_rank() is not None:  # under torchrun: the job's other ranks (ops/distributed.py)
         from ops.distributed import DistSearchers
         return DistSearchers(cfg)
@@ -213,7 +210,6 @@ def searcher_loop(rank, cfg, task, seed, link):
     """The work of a searcher, whatever started it (`searcher_process`; a torchrun rank: ops/distributed.py), through
     its `link` to the trainer: alive() is False once the trainer said stop (and waits while it holds the run);
     pull(kind, model, version) copies newer "policy" or "ref" weights into `model`; put(batch) sends it."""
-    from ops.memory import peak_memory
     torch.set_num_threads(cfg.searcher_threads)
     torch.manual_seed(seed)
     ref, tokenizer, generator, device = load_searcher(cfg, rank, seed, HFGenerator)  # (vLLM's: --backend vllm)
@@ -236,8 +232,7 @@ def searcher_loop(rank, cfg, task, seed, link):
 class Batch:
     """What a searcher sends to the trainer."""
     trajectories: list  # [Trajectory]
-    report: dict = field(default_factory=dict)  # the reward's logged metrics, completions no reward scored, the
-    # seconds its last pull of the weights took, its peak memory
+    report: dict = field(default_factory=dict)  # the reward's logs, what it left unscored, pull seconds, peak memory
 
 
 class Searcher:
@@ -255,10 +250,10 @@ class Searcher:
         (prompt-major). Reference log-probs are tagged with `ref_version`, the reference they came from."""
         cfg, task, S = self.cfg, self.task, self.cfg.samples_per_prompt
         lo, hi = cfg.temperature, cfg.temperature_max  # (--temperature-max: a temperature per batch in [lo, hi])
-        prompts = [self.prompt_tokens[x] for x in prompt_ids for _ in range(S)]  # (x: a prompt id)
+        ids, log = [x for x in prompt_ids for _ in range(S)], {"metrics": {}, "extra": {}}  # (log: what the reward logs)
+        prompts = [self.prompt_tokens[x] for x in ids]  # (x: a prompt id; its token ids, once per response)
         responses, behavior = self.generator.sample(prompts[::S], S, lo if hi is None else self.rng.uniform(lo, hi),
                                                     cfg.score_temperature)  # behaviour log-probs per token, as sampled
-        ids, log = [x for x in prompt_ids for _ in range(S)], {"metrics": {}, "extra": {}}  # (log: what the reward logs)
         done = completions(self.tokenizer, responses, self.generator.stop_ids)  # texts, ids, whether each ended
         rewards = self.score([task.prompts[x] for x in ids], [c.text for c in done], [task.metas[x] for x in ids],
                              completion_ids=[list(c.token_ids) for c in done], step=policy_version, log=log)
@@ -272,7 +267,7 @@ class Searcher:
                                    ref_version=ref_version if self.ref is not None else -1,
                                    behavior_token_logp=b if "behavior_token_logp" in cfg.needs else ())  # (GRPO only)
                         for x, r, rw, b, lr in zip(ids, responses, rewards, behavior or [()] * len(ids), ref_logp)
-                        if not math.isnan(rw)]  # (a backend without behaviour log-probs: none)
+                        if not math.isnan(rw)]  # (behavior None: a backend without behaviour log-probs)
         return Batch(trajectories, {"reward_metrics": log["metrics"], "unscored": unscored, "sent": len(trajectories)})
 
 
@@ -386,7 +381,6 @@ class SyncSearch:
 
     def poll(self):
         """A fresh batch: Q prompts x S responses from the current policy, and its report."""
-        from ops.models import autocast
         with autocast(self.cfg, self.cfg.device):  # (--trainer-dtype bf16-mixed)
             batch = self.searcher.search(next(self.prompts), self.version, ref_version=-1)
         return batch.trajectories, [batch.report]
@@ -401,12 +395,6 @@ class SyncSearch:
     def load_state_dict(self, state):
         self.prompts.load_state_dict(state["prompts"])
         set_rng_state(self.searcher.rng, state["searcher_rng"])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
 
     publish_ref = pause = check_alive = close = lambda self, *args: None  # (nothing to send, hold, check or stop)
 

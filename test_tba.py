@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from baselines import rloo_loss, tb_rloo_gradient_ratio
-from buffer import ReplayBuffer, Trajectory
+from buffer import ReplayBuffer
 from loss import (beta_schedule, make_batch, offpolicy_metrics, sequence_logprobs, tb_trust_region_loss, vargrad_tb_loss,
                   wsd_schedule)
 from rewards import GSM8KTask, extract_answer, gold_answer, gsm8k_reward, load_gsm8k
-from tests.helpers import GSM8K_DIR, ROOT, _bpe_tokenizer, read_metrics, tiny_args
+from tests.helpers import GSM8K_DIR, ROOT, _bpe_tokenizer, read_metrics, tiny_args, traj
 
 quick = pytest.mark.quick  # no process, no training run: the whole of it runs in seconds
 
@@ -218,10 +218,6 @@ def test_tb_gradient_is_a_multiple_of_rloo_with_kl_in_the_reward():
 
 # -----------------------------------------------------------------------------
 # buffer.py
-
-def traj(q, resp, reward=0.0, version=0):
-    return Trajectory(prompt_id=q, response_ids=tuple(resp), reward=reward, policy_version=version)
-
 
 @quick
 def test_buffer_dedup_keeps_newest():
@@ -439,29 +435,6 @@ def test_copied_alone_into_an_empty_folder_it_runs_with_torch_and_numpy_only(tmp
 # rewards.py
 
 @quick
-def test_imports_go_one_way_even_through_function_local_imports():
-    """No cycle among the project's modules, counting every import statement (function-local ones included)."""
-    import ast
-    import glob
-    files = [os.path.relpath(f, ROOT) for pattern in ("*.py", "ops/*.py", "tasks/*.py", "bench/*.py")
-             for f in glob.glob(os.path.join(ROOT, pattern))]
-    modules = {f[:-3].replace(os.sep, "."): f for f in files}
-    imports = {}
-    for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
-            if isinstance(node, ast.ImportFrom) and node.module in modules:
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name in modules}
-        imports[name] = found - {name}
-
-    def reaches(start, target, seen):
-        return any(m == target or (m not in seen and reaches(m, target, seen | {m})) for m in imports[start])
-    assert not [m for m in modules if reaches(m, m, {m})], "a cycle of imports"
-
-
-@quick
 @pytest.mark.parametrize("text,value", [
     ("so she has 1,000 apples", 1000.0),
     ("The total is $1,000.00.", 1000.0),
@@ -560,6 +533,8 @@ def test_reference_reset_makes_kl_zero(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_weights_reach_a_spawned_process_in_the_searchers_dtype(dtype):
+    """A searcher spawned after the copies were allocated (as a restarted one is) receives SharedWeights without
+    them (its own device's copy comes with its job) and pulls the published weights in its dtype."""
     import torch.multiprocessing as mp
     from ops.weights import SharedWeights
     ctx = mp.get_context("spawn")
@@ -572,168 +547,18 @@ def test_shared_weights_reach_a_spawned_process_in_the_searchers_dtype(dtype):
     results = ctx.Queue()
     child = ctx.Process(target=_pull_in_child, args=(shared, shared.tensors["cpu"], dtype, results))
     child.start()
-    version, total, dtypes = results.get(timeout=60)
+    version, total, dtypes, copies = results.get(timeout=60)
     child.join(timeout=30)
     assert version == 5 and total == pytest.approx(7.0 * 6 + model.bias.sum().item(), abs=1e-2)
     assert dtypes == {dtype} and shared.tensors["cpu"]["weight"].is_shared()
-
-
-def test_a_searcher_spawned_after_allocation_receives_no_device_copies():
-    """SharedWeights travels to a (re)started searcher without its copies (only its job carries its own device's),
-    yet the child still pulls newer weights through it."""
-    import torch.multiprocessing as mp
-    from ops.weights import SharedWeights
-    ctx = mp.get_context("spawn")
-    shared = SharedWeights(ctx)
-    model = torch.nn.Linear(3, 2)
-    shared.allocate(model, version=0, devices=["cpu"], dtype=torch.float32)
-    shared.publish(model, version=3)
-    results = ctx.Queue()
-    child = ctx.Process(target=_count_copies_in_child, args=(shared, shared.tensors["cpu"], results))
-    child.start()
-    copies, version = results.get(timeout=60)
-    child.join(timeout=30)
-    assert copies == 0 and version == 3 and shared.tensors["cpu"]
-
-
-def _count_copies_in_child(shared, tensors, results):
-    results.put((len(shared.tensors), shared.pull(torch.nn.Linear(3, 2), tensors, have_version=-1)))
+    assert copies == 0, "a searcher spawned after allocation maps no device's copy through SharedWeights"
 
 
 def _pull_in_child(shared, tensors, dtype, results):
     model = torch.nn.Linear(3, 2).to(dtype)  # (a searcher's model, in the searchers' dtype)
     version = shared.pull(model, tensors, have_version=-1)
-    results.put((version, sum(p.float().sum().item() for p in model.parameters()), {p.dtype for p in model.parameters()}))
-
-
-# -----------------------------------------------------------------------------
-# The trainer's steps on a tiny model: train_step, accumulation, refresh_ref_logp, merge's wait
-
-WORDS = "a b c d e f".split()
-
-
-def _step_run(**flags):
-    """A trainer Run of tba.py's steps without processes: a tiny random Llama as the policy, a copy as the reference,
-    and an optimiser that records the gradient of its step instead of taking it."""
-    import copy
-    import types
-    import tiny
-    from config import Config
-    from ops.models import PromptTokens
-    tokenizer = tiny.word_tokenizer(WORDS)
-    policy = tiny.tiny_llama(tokenizer, 32, 1, 64, seed=0).eval()
-    cfg = Config(**{"batch_size": 8, "responses_per_prompt": 2, "micro_batch_prompts": 4, "device": "cpu",
-                    "trainer_dtype": "float32", "beta_start": 0.5, "beta_end": 0.5, "temperature": 1.0, **flags})
-    grads = []
-    opt = types.SimpleNamespace(param_groups=[{}], step=lambda: grads.append([p.grad.clone() for p in policy.parameters()]),
-                                zero_grad=lambda set_to_none: policy.zero_grad(set_to_none=set_to_none))
-    prompts = ["a b", "b c", "c d e", "d"]
-    run = types.SimpleNamespace(cfg=cfg, policy=policy, ref=copy.deepcopy(policy).requires_grad_(False), tokenizer=tokenizer,
-                                opt=opt, lr_at=lambda step: 1.0, prompt_tokens=PromptTokens(tokenizer, prompts), ref_version=0)
-    ids = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) + (tokenizer.eos_token_id,)
-    groups = [[Trajectory(prompt_id=q, response_ids=ids(" ".join(WORDS[(q + k) % 6:(q + k) % 6 + 1 + k])), reward=float(k == q % 2),
-                          policy_version=0) for k in range(2)] for q in range(4)]  # (ref_version -1: scored by the trainer)
-    return run, groups, grads
-
-
-def _plain_logprobs(model, run, groups):
-    """(Q, K) log pi(y|x) by loss.py alone: make_batch + sequence_logprobs."""
-    flat = [t for g in groups for t in g]
-    batch = make_batch([run.prompt_tokens[t.prompt_id] for t in flat], [t.response_ids for t in flat], run.tokenizer.pad_token_id)
-    with torch.no_grad():
-        return sequence_logprobs(model, *batch).view(len(groups), -1)
-
-
-@pytest.mark.parametrize("share_prompt", [True, False])
-def test_train_step_reports_loss_py_loss_and_log_Z(share_prompt):
-    """train_step's loss and log Z are loss.py's vargrad_tb_loss and tb_log_Z on the same batch (log pi by
-    make_batch + sequence_logprobs, the reference's scored by refresh_ref_logp, here equal to the policy's)."""
-    import tba
-    from loss import tb_log_Z
-    run, groups, grads = _step_run(share_prompt=share_prompt)
-    logp, ref_logp = _plain_logprobs(run.policy, run, groups), _plain_logprobs(run.ref, run, groups)
-    reward = tba.per_response(groups, "reward")
-    metrics = tba.train_step(run, groups, step=0)
-    assert metrics["loss/train"] == pytest.approx(vargrad_tb_loss(logp, ref_logp, reward, 0.5).item(), rel=1e-5)
-    assert metrics["loss/log_Z"] == pytest.approx(tb_log_Z(logp, ref_logp, reward, 0.5).mean().item(), rel=1e-5, abs=1e-6)
-    assert metrics["loss/kl"] == pytest.approx(0.0, abs=1e-5), "the reference is the policy before the step"
-    assert len(grads) == 1 and metrics["grad/skipped"] == 0 and all(t.ref_version == 0 for g in groups for t in g)
-
-
-def test_accumulation_over_whole_prompts_equals_the_full_batch_gradient():
-    """Departure 3 of tba.py: micro-batches of whole prompts (log Z sees all K responses) give the full batch's
-    gradient; and the shared-prompt forward (ops/models.py) gives the plain one's (1e-5)."""
-    import tba
-    runs = [_step_run(micro_batch_prompts=mb, share_prompt=share) for mb, share in [(4, False), (1, False), (2, True)]]
-    for run, groups, grads in runs:
-        tba.train_step(run, groups, step=0)
-    full = runs[0][2][0]
-    for _, _, grads in runs[1:]:
-        assert max((a - b).abs().max().item() for a, b in zip(full, grads[0])) < 1e-5
-
-
-def test_refresh_ref_logp_rescores_after_a_reference_reset():
-    """After reset_reference (TBA'), trajectories scored by the old reference get log pi_ref of the new one (the
-    policy at the reset) and its version; the searchers are sent it."""
-    import tba
-    run, groups, _ = _step_run()
-    sent = []
-    run.searchers = __import__("types").SimpleNamespace(publish_ref=lambda ref, version: sent.append(version))
-    tba.refresh_ref_logp(run, [t for g in groups for t in g])
-    old = tba.per_response(groups, "ref_logp")
-    with torch.no_grad():
-        for p in run.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    tba.reset_reference(run, 3)
-    tba.refresh_ref_logp(run, [t for g in groups for t in g])
-    new = tba.per_response(groups, "ref_logp")
-    assert sent == [3] and all(t.ref_version == 3 for g in groups for t in g)
-    assert torch.allclose(new, _plain_logprobs(run.policy, run, groups), atol=1e-5) and not torch.allclose(new, old, atol=1e-3)
-
-
-def test_merge_waits_while_a_poll_brings_only_stale_trajectories(tmp_path):
-    """With fresh rounds, a merge at step 8 (k = 4) that polls only trajectories older than the previous sync (step 4)
-    waits for the searchers; what then arrives forms the round, the stale ones stay in the buffer, and the
-    wait is logged (time/wait)."""
-    import types
-    import tba
-    from config import Config
-    from ops.bookkeeping import Bookkeeping
-    stale = [traj(0, (1,), version=2), traj(1, (2,), version=3)]
-    polls = [(stale, []), ([], []), ([traj(2, (3,), version=4)], [{"rank": 0}])]
-    searchers = types.SimpleNamespace(poll=lambda: (__import__("time").sleep(0.05), polls.pop(0))[1], check_alive=lambda: None,
-                                      restarts=0)
-    run = types.SimpleNamespace(cfg=Config(sync_every=4, run_dir=str(tmp_path)), searchers=searchers, start=0, ref_version=0,
-                                buffer=ReplayBuffer(capacity_per_prompt=5, seed=0))
-    run.books = Bookkeeping(run)
-    run.books.t_merge = __import__("time").time()
-    tba.merge(run, 8)
-    assert not polls, "it polled until a fresh trajectory came"
-    assert set(run.buffer.latest) == {2} and len(run.buffer) == 3
-    assert run.books.waited >= 0.05, "the wait is measured, and logged as time/wait"
-
-
-def test_merge_ends_when_only_unscored_completions_follow_a_stale_batch(tmp_path):
-    """A stale, scored batch first, then only completions that every reward scored None (each searcher batch
-    empty): the wait for a fresh round ends with one line naming the cause (it waited forever: the stale batch
-    made `have` non-zero, and the empty batches kept the searchers from looking silent)."""
-    import types
-    import tba
-    from config import Config, RunError
-    from ops.bookkeeping import Bookkeeping
-    polls = iter([([traj(0, (1,), version=2)], [{"unscored": 0, "sent": 1}])] + [([], [{"unscored": 16, "sent": 0}])] * 100)
-
-    def poll():
-        try:
-            return next(polls)
-        except StopIteration:
-            raise AssertionError("the wait never ended") from None
-    searchers = types.SimpleNamespace(poll=poll, check_alive=lambda: None, restarts=0)
-    run = types.SimpleNamespace(cfg=Config(sync_every=4, batch_size=16, run_dir=str(tmp_path)), searchers=searchers,
-                                start=0, ref_version=0, buffer=ReplayBuffer(capacity_per_prompt=5, seed=0))
-    run.books = Bookkeeping(run)
-    with pytest.raises(RunError, match=r"no reward scored any of the last 64 completions"):
-        tba.merge(run, 8)
+    results.put((version, sum(p.float().sum().item() for p in model.parameters()), {p.dtype for p in model.parameters()},
+                 len(shared.tensors)))
 
 
 # -----------------------------------------------------------------------------

@@ -163,7 +163,6 @@ class DistSearchers:
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
         self.last_heard = [time.time()] * cfg.num_searchers
 
-
     def __enter__(self):
         return self
 

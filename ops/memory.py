@@ -256,10 +256,6 @@ def shared_device(cfg, device):
     return "cpu" if cfg.backend == "vllm" else device
 
 
-# -----------------------------------------------------------------------------
-# A torchrun job: packed, sent over gloo
-
-
 def shared_memory_bytes(cfg, params=None):
     """What a run puts in /dev/shm: the searcher processes' semaphores and counters, the copy of the policy (and
     the reference, if the objective reads it) that the trainer shares with searchers whose copy is on the host

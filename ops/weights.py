@@ -65,15 +65,13 @@ class SharedWeights:
             self.version.value = version
 
     def pull(self, target, tensors, have_version):
-        """Copy `tensors` (this searcher's copy) into `target` (a model, or a generator's engine: anything with
-        load_state_dict) if newer than have_version; the version it holds."""
+        """Copy `tensors` (this searcher's copy) into `target` (a model, or a generator: anything with load_state_dict
+        and state_dict) if newer than have_version; the version it holds."""
         if self.version.value == have_version:
             return have_version
         with self.lock:
             target.load_state_dict(tensors)
-            synchronize(tensors)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # (the copy into the target's device is asynchronous too)
+            synchronize(tensors, target.state_dict())
             return self.version.value
 
 
@@ -95,6 +93,10 @@ def synchronize(*state_dicts):
     """Wait for the CUDA devices the state dicts live on (copies between them are asynchronous)."""
     for device in {t.device for state in state_dicts for t in state.values() if t.is_cuda}:
         torch.cuda.synchronize(device)
+
+
+# -----------------------------------------------------------------------------
+# A torchrun job: packed, sent over gloo
 
 
 def layout(model, dtype=None):

@@ -22,6 +22,12 @@ TINY_SFT = ["--tiny-train-size", "400", "--tiny-eval-size", "20", "--tiny-sft-st
 TINY_RUN = [*TINY_SFT, "--eval-size", "20", "--initial-completions", "64", "--max-new-tokens", "24", "--log-every", "1"]
 
 
+def traj(x, resp, reward=0.0, version=0):
+    """A Trajectory of prompt x with response token ids `resp`, as the buffer tests make them."""
+    from buffer import Trajectory
+    return Trajectory(prompt_id=x, response_ids=tuple(resp), reward=reward, policy_version=version)
+
+
 def gsm8k_cli(argv):
     """run_gsm8k.py's command line, in this process: its exit code."""
     import run_gsm8k

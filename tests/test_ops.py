@@ -647,6 +647,28 @@ def test_a_checkpoint_from_before_the_query_rename_resumes(tmp_path, cache_dir):
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
 
 
+def test_imports_go_one_way_even_through_function_local_imports():
+    """No cycle among the project's modules, counting every import statement (function-local ones included)."""
+    import ast
+    import glob
+    files = [os.path.relpath(f, ROOT) for pattern in ("*.py", "ops/*.py", "tasks/*.py", "bench/*.py")
+             for f in glob.glob(os.path.join(ROOT, pattern))]
+    modules = {f[:-3].replace(os.sep, "."): f for f in files}
+    imports = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        imports[name] = found - {name}
+
+    def reaches(start, target, seen):
+        return any(m == target or (m not in seen and reaches(m, target, seen | {m})) for m in imports[start])
+    assert not [m for m in modules if reaches(m, m, {m})], "a cycle of imports"
+
+
 def test_a_crashed_writes_leftovers_are_removed_when_a_run_claims_its_directory(tmp_path):
     """What a crash mid-write leaves (a step-N.tmpPID checkpoint folder, a file.tmpPID) is removed when a run claims
     the directory; complete checkpoints and what is not a leftover stay."""
