@@ -79,15 +79,13 @@ class ReplayBuffer:
         self.capacity, self.dedup, self.serial = capacity_per_prompt, dedup, 0
         self.rng = np.random.default_rng(seed)
         self.items = {}  # prompt_id -> {key: Trajectory}, oldest insertion first; key: response_ids (or a serial)
-        self.seen = []  # every prompt ever seen
         self.latest = {}  # prompt_id -> [Trajectory] stored in the latest round that brought any
         self.latest_deck, self.all_deck = Deck(self.rng), Deck(self.rng)  # next prompt of the round / of all
         self.num_rounds = 0
         self.latest_round = 0  # the add() call whose items are the latest round
-        self.size = 0
 
     def __len__(self):
-        return self.size
+        return sum(len(per_prompt) for per_prompt in self.items.values())
 
     @property
     def num_prompts(self):
@@ -97,13 +95,8 @@ class ReplayBuffer:
         """Merge one round. Items with policy_version < round_min_version are stored but not in the round.
         Returns the number of trajectories in the new round; 0 means the previous round stays the latest."""
         self.num_rounds += 1
-        rnd = self.num_rounds
-        touched = set()
         for t in trajectories:
-            per_prompt = self.items.get(t.prompt_id)
-            if per_prompt is None:
-                per_prompt = self.items[t.prompt_id] = {}
-                self.seen.append(t.prompt_id)
+            per_prompt = self.items.setdefault(t.prompt_id, {})  # (a prompt, once stored, is never removed)
             key = t.response_ids if self.dedup else self.serial
             self.serial += 1
             old = per_prompt.get(key)
@@ -111,20 +104,16 @@ class ReplayBuffer:
                 continue  # a late copy from older weights never replaces a newer one
             if old is not None:
                 self._drop(t.prompt_id, key)  # dedup: the newest copy wins (and moves to the end)
-            t.round = rnd
-            per_prompt[key] = t
-            self.size += 1
-            touched.add(t.prompt_id)
-        for x in touched:  # (x: a prompt id)
-            self._evict(x)
+            t.round, per_prompt[key] = self.num_rounds, t
         latest = {}
-        for x in touched:
+        for x in {t.prompt_id for t in trajectories}:  # (x: a prompt id)
+            self._evict(x)
             fresh = [t for t in self.items[x].values()
-                     if t.round == rnd and (round_min_version is None or t.policy_version >= round_min_version)]
+                     if t.round == self.num_rounds and (round_min_version is None or t.policy_version >= round_min_version)]
             if fresh:
                 latest[x] = fresh
         if latest:  # a sync that brought nothing new keeps the last round (the official code's behaviour)
-            self.latest, self.latest_deck.left, self.latest_round = latest, [], rnd
+            self.latest, self.latest_deck.left, self.latest_round = latest, [], self.num_rounds
         return sum(len(v) for v in latest.values())
 
     def _evict(self, x):
@@ -138,7 +127,6 @@ class ReplayBuffer:
         """The one way an item leaves the buffer: out of storage, out of the latest round, and its prompt out
         of the round's deck once the round holds nothing of it."""
         t = self.items[x].pop(key)
-        self.size -= 1
         if x in self.latest:
             self.latest[x] = [u for u in self.latest[x] if u is not t]
             if not self.latest[x]:
@@ -154,8 +142,7 @@ class ReplayBuffer:
             ("no latest-round prompt is empty", all(self.latest.values())),
             ("the latest round's deck deals only its prompts", set(self.latest_deck.left) <= set(self.latest)),
             ("the all-prompts deck deals only stored prompts", set(self.all_deck.left) <= set(self.items)),
-            ("every stored prompt is listed once", sorted(self.seen) == sorted(self.items)),
-            ("the size counts what is stored", self.size == len(stored)),
+            ("no stored prompt is empty", all(self.items.values())),
             ("no prompt holds more than its capacity", all(len(v) <= self.capacity for v in self.items.values())),
         ]
         for rule, holds in rules:
@@ -174,7 +161,7 @@ class ReplayBuffer:
                 x = self.latest_deck.deal(lambda: list(self.latest))  # x: a prompt id
                 groups.append(self._draw(self.latest[x], K, None))
             else:
-                x = self.all_deck.deal(lambda: self.seen)
+                x = self.all_deck.deal(lambda: list(self.items))
                 candidates = list(self.items[x].values())
                 p = None
                 if prioritization == "softmax":
@@ -206,11 +193,7 @@ class ReplayBuffer:
             record = dict(record)
             k = key(record.pop("key", record["response_ids"]))  # (checkpoints before --no-dedup have no key)
             t = Trajectory(**{**record, "response_ids": tuple(record["response_ids"])})
-            if t.prompt_id not in self.items:
-                self.items[t.prompt_id] = {}
-                self.seen.append(t.prompt_id)
-            self.items[t.prompt_id][k] = t
-            self.size += 1
+            self.items.setdefault(t.prompt_id, {})[k] = t
         self.latest = {x: [self.items[x][key(k)] for k in keys] for x, keys in state["latest"]}
         self.latest_deck.left, self.all_deck.left = (list(d) for d in state["decks"])
 

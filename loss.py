@@ -133,10 +133,8 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, temperatu
         return torch.zeros(input_ids.shape[0], 0)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (N, T)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    if takes_logits_to_keep(model):  # transformers' causal LMs
-        logits = model(**inputs, logits_to_keep=R + 1).logits  # (N, R + 1, V): no logits over the prompt
-    else:
-        logits = model(**inputs).logits[:, -R - 1:]  # (N, R + 1, V)
+    keep = {"logits_to_keep": R + 1} if takes_logits_to_keep(model) else {}  # (transformers' causal LMs)
+    logits = model(**inputs, **keep).logits[:, -R - 1:]  # (N, R + 1, V): no logits over the prompt where kept
     token_logp = token_logprobs(logits[:, :-1], input_ids[:, -R:], temperature)  # (N, R): predict the response tokens
     return torch.where(response_mask[:, -R:].bool(), token_logp, torch.zeros_like(token_logp))
 

@@ -48,7 +48,7 @@ from ops.devices import torchrun_rank
 from ops.memory import peak_memory
 from ops.models import (PromptTokens, TokenLogprobs, autocast, completions, cut_at_eos, shared_prompt_score_logprobs,
                         stop_ids)
-from ops.processes import drain, start_process, start_resource_tracker, stop_processes
+from ops.processes import drain, get_until_stopped, start_process, start_resource_tracker, stop_processes
 from ops.weights import SharedWeights, allocate_shared
 
 
@@ -99,7 +99,7 @@ class Searchers:
         start_resource_tracker()  # (first, with stop signals ignored: ops/processes.py)
         self.cfg, self.ctx = cfg, mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
         self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
-        self.weights = {"policy": SharedWeights(self.ctx), "ref": SharedWeights(self.ctx)}  # (ops/weights.py)
+        self.weights = {kind: SharedWeights(self.ctx, cfg.searcher_timeout) for kind in ("policy", "ref")}  # (ops/weights.py)
         n = cfg.num_searchers
         self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
         self.restarts, self.job = 0, None
@@ -195,13 +195,10 @@ def searcher_process(rank, jobs, out_queue, stop_event, pause_event, weights, pa
     starts with stop signals ignored (they are the trainer's)."""
     try:
         importlib.import_module("transformers.models.auto.modeling_auto")  # (the slow import, done while waiting)
-        while not stop_event.is_set() and os.getppid() == parent_pid:
-            try:
-                job = jobs.get(timeout=0.5)  # (sent once the trainer has its models: tba.setup)
-            except queue.Empty:
-                continue
+        job = get_until_stopped(jobs, stop_event, parent_pid)  # (sent once the trainer has its models: tba.setup)
+        if job is not None:  # (None: the run stopped first)
             link = QueueLink(weights, job["weights"], out_queue, stop_event, pause_event, parent_pid)
-            return searcher_loop(rank, job["cfg"], job["task"], job["seed"], link)
+            searcher_loop(rank, job["cfg"], job["task"], job["seed"], link)
     finally:
         out_queue.cancel_join_thread()  # never block exit on data nobody will read
 
@@ -332,12 +329,15 @@ class PromptSampler:
         self.order, self.pos = state["order"], state["pos"]
 
 
+@dataclass
 class QueueLink:
     """A searcher process's connection to the trainer on one machine (searcher_loop's `link`): weights, queue, events."""
-
-    def __init__(self, weights, tensors, out_queue, stop_event, pause_event, parent_pid):
-        self.weights, self.tensors = weights, tensors  # kind -> SharedWeights; kind -> this searcher's copy of it
-        self.out_queue, self.stop_event, self.pause_event, self.parent_pid = out_queue, stop_event, pause_event, parent_pid
+    weights: dict  # kind ("policy", "ref") -> ops/weights.SharedWeights
+    tensors: dict  # kind -> this searcher's copy of its weights (on its device)
+    out_queue: object  # this searcher's queue to the trainer
+    stop_event: object  # set: the run ends
+    pause_event: object  # set: the trainer holds the run (an evaluation)
+    parent_pid: int  # the trainer's process
 
     def alive(self):
         """False once the trainer said stop or is gone; waits while the trainer holds the run (an evaluation)."""

@@ -141,8 +141,9 @@ def card():
 
 
 def weights_trip(dtype, repeats=5, **smaller):
-    """(publish ms, pull ms): medians of `repeats` trips of RhoMath-1B's state dict through SharedWeights (its
-    config's fields replaced by `smaller`, for a test)."""
+    """(publish ms, pull ms, versions held right): medians of `repeats` trips of RhoMath-1B's state dict through
+    SharedWeights (its config's fields replaced by `smaller`, for a test), and how many of the versions the searcher
+    pulled held exactly what the trainer published (every tensor filled with its version number)."""
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -161,12 +162,15 @@ def weights_trip(dtype, repeats=5, **smaller):
     publish = []
     for version in range(1, repeats + 1):
         results.get(timeout=600)  # (the child is ready for this version)
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                t.fill_(version)  # (exact in every dtype for these small integers)
         t0 = time.perf_counter()
         shared.publish(model, version)
         publish.append(1e3 * (time.perf_counter() - t0))
-    pull = results.get(timeout=600)  # (the child's median)
+    pull, right = results.get(timeout=600)  # (the child's median, and its count of versions held exactly)
     child.join(timeout=60)
-    return statistics.median(publish), pull
+    return statistics.median(publish), pull, right
 
 
 def _puller(shared, tensors, results, repeats):
@@ -175,7 +179,7 @@ def _puller(shared, tensors, results, repeats):
     target = {n: torch.empty_like(t) for n, t in tensors.items()}
     model = type("Model", (), {"load_state_dict": lambda self, s: [target[n].copy_(t) for n, t in s.items()],
                                "state_dict": lambda self: target})()
-    times, version = [], 0
+    times, version, right = [], 0, 0
     for _ in range(repeats):
         results.put("ready")
         while shared.version.value == version:
@@ -183,7 +187,8 @@ def _puller(shared, tensors, results, repeats):
         t0 = time.perf_counter()
         version = shared.pull(model, tensors, version)
         times.append(1e3 * (time.perf_counter() - t0))
-    results.put(statistics.median(times))
+        right += all(bool((t == version).all()) for t in target.values())
+    results.put((statistics.median(times), right))
 
 
 def main(argv=None):
@@ -194,7 +199,7 @@ def main(argv=None):
         print(f"RhoMath-1B's state dict through SharedWeights on {torch.cuda.get_device_name(0) if gpu else 'CPU'}, "
               f"{time.strftime('%Y-%m-%d')}, medians of 5\n\n| copy | publish (ms) | pull (ms) |\n|---|---|---|")
         for dtype in (torch.float32, torch.bfloat16):
-            print(f"| {str(dtype)[6:]} | {'{:.0f} | {:.0f}'.format(*weights_trip(dtype))} |", flush=True)
+            print(f"| {str(dtype)[6:]} | {'{:.0f} | {:.0f}'.format(*weights_trip(dtype)[:2])} |", flush=True)
         return
     steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else (12 if gpu else 4)
     machine = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores), small shapes"

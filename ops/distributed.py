@@ -39,9 +39,11 @@ transfer that fails. A searcher that loses the trainer (its store calls fail) ex
 Departures from the single-machine path (searcher.Searchers):
   1. One searcher is never restarted alone: torchrun restarts the whole job, which resumes from its latest
      checkpoint (--auto-resume); --on-searcher-failure restart is refused under torchrun.
-  2. A policy publish made while the previous transfer is still being sent is skipped, so searchers may skip
-     a version (the staleness metrics show it); a reference publish (TBA') waits for that transfer instead,
-     since a skipped reference would stay wrong until the next reset.
+  2. A policy publish made while the previous transfer is still being sent waits, and is sent by the first poll
+     after that transfer ends (the trainer polls at every merge, and while it waits for the searchers there); a
+     newer publish meanwhile replaces it, so searchers may skip a version (the staleness metrics show it), but
+     the newest weights always reach them. A reference publish (TBA') waits for the transfer instead, since a
+     skipped reference would stay wrong until the next reset.
   3. --num-searchers is the number of ranks after the first; under --searcher-device auto a searcher rank
      uses its LOCAL_RANK's GPU (cpu without CUDA).
   4. Every node must be able to read --model (a hub id, or a path on a shared filesystem); the tiny preset's
@@ -160,6 +162,7 @@ class DistSearchers:
         self.ranks = list(range(1, cfg.num_searchers + 1))  # searcher i is rank i + 1
         self.sender = WeightSender(self.store.clone(), self.ranks, cfg.searcher_timeout)
         self.failed, self.closed, self.send_ref = False, False, False
+        self.pending, self.publishes, self.skipped = None, 0, 0  # a policy publish not sent yet; counts
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # a job restart restarts every searcher
         self.last_heard = [time.time()] * cfg.num_searchers
 
@@ -181,6 +184,7 @@ class DistSearchers:
     def poll(self):
         """(trajectories, reports): every trajectory the searcher ranks pushed since the last poll, and each batch's
         report (waits 10 ms when there is none)."""
+        self.send_pending()  # (a publish made during a transfer goes once that transfer has ended)
         items, reports = [], []
         for i, rank in enumerate(self.ranks):
             while True:
@@ -197,12 +201,22 @@ class DistSearchers:
 
     def publish(self, policy, version):
         t0 = time.time()
-        self.sender.send([("policy", version, policy)])  # skipped while the previous transfer is in flight
+        self.publishes += 1
+        self.skipped += self.pending is not None  # (an unsent publish, replaced by this newer one)
+        self.pending = ("policy", version, policy)
+        self.send_pending()
         return time.time() - t0  # (packing: the transfer runs on a background thread)
 
+    def send_pending(self):
+        """Send the newest policy publish not sent yet, unless a transfer is still in flight. The trainer trains
+        only between a merge and the next publish, so at a poll the policy holds exactly the pending version."""
+        if self.pending is not None and self.sender.send([self.pending]):
+            self.pending = None
+
     def publish_ref(self, ref, version):
-        if self.send_ref:
-            self.sender.send([("ref", version, ref)], wait=True)
+        if self.send_ref:  # (after the transfer in flight, with the pending policy publish if there is one)
+            self.sender.send(([self.pending] if self.pending else []) + [("ref", version, ref)], wait=True)
+            self.pending = None
 
     def pause(self, paused):
         pass  # searcher ranks are not held during an evaluation (they go on generating: time the bench on one machine)
@@ -240,9 +254,9 @@ class DistSearchers:
             return
         self.closed = True
         self.sender.join(10.0)
-        if self.sender.skipped:
-            print(f"weights: {self.sender.skipped} of {self.sender.publishes} publishes skipped (the previous "
-                  f"transfer was still in flight)")
+        if self.skipped:
+            print(f"weights: {self.skipped} of {self.publishes} publishes replaced by a newer one before they could "
+                  f"be sent (the previous transfer was still in flight)")
         failing = failing or self.failed or self.sender.error
         try:
             self.store.set("stop", "1")

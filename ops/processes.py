@@ -4,6 +4,7 @@ stop signals ignored (they are the trainer's to handle: a Ctrl-C reaches the who
 them is not interrupted by a second signal, ends within seconds, and never blocks on a queue nobody reads.
 """
 
+import os
 import queue
 import time
 
@@ -48,3 +49,13 @@ def drain(q):
             yield q.get_nowait()
         except queue.Empty:
             return
+
+
+def get_until_stopped(q, stop_event, parent_pid):
+    """The next item of a multiprocessing queue, waiting for it; None once stop_event is set or the parent is gone."""
+    while not stop_event.is_set() and os.getppid() == parent_pid:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            continue
+    return None

@@ -14,10 +14,13 @@ copy) for load_state_dict. Trainer and searchers check that they agree on the la
 before any tensor is loaded.
 """
 
+import contextlib
 import datetime
 import hashlib
 import json
+import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,18 +37,21 @@ def one_line(e):
 
 class SharedWeights:
     """A state dict shared with the searcher processes and a version counter: the trainer publishes, searchers pull.
-    `tensors` holds one copy per searcher device (`allocate`); the counter and its lock travel to each searcher as
-    it is spawned, its device's copy with its job."""
+    `tensors` holds one copy per searcher device (`allocate`); the counter and the lock travel to each searcher as
+    it is spawned, its device's copy with its job. A process killed while it holds the lock (a searcher killed
+    inside its pull) does not block the others: the next process that waits for the lock takes it over."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, timeout_s=300.0):
         self.version = ctx.Value("q", -1)  # the trainer step whose weights the copies hold
         self.lock = ctx.Lock()
+        self.holder = ctx.Value("q", 0)  # the pid of the process holding `lock` (0: none); its own lock guards takeovers
+        self.timeout_s = timeout_s  # waiting longer than this for the lock is a failure (--searcher-timeout)
         self.tensors = {}  # device -> {name: tensor}
 
     def __getstate__(self):
-        """What a searcher process is spawned with: the counter and its lock, not the copies (its own device's copy
+        """What a searcher process is spawned with: the counter and the lock, not the copies (its own device's copy
         comes with its job): a searcher restarted after `allocate` would otherwise map every device's copy."""
-        return {"version": self.version, "lock": self.lock, "tensors": {}}
+        return {**self.__dict__, "tensors": {}}
 
     def allocate(self, model, version, devices, dtype):
         """A copy of `model`'s state dict on each device, floating-point tensors in `dtype`."""
@@ -56,7 +62,7 @@ class SharedWeights:
         self.version.value = version
 
     def publish(self, model, version):
-        with self.lock:
+        with self.locked():
             state = model.state_dict()
             for copy in self.tensors.values():
                 for n, t in copy.items():
@@ -69,10 +75,50 @@ class SharedWeights:
         and state_dict) if newer than have_version; the version it holds."""
         if self.version.value == have_version:
             return have_version
-        with self.lock:
+        with self.locked():
             target.load_state_dict(tensors)
             synchronize(tensors, target.state_dict())
             return self.version.value
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the lock; from a process that died holding it, take it over (its copy may be half-written: the
+        trainer's publish rewrites every copy, and a searcher reads only after a publish). Waiting more than
+        timeout_s for a live holder raises SearcherDied naming it."""
+        deadline = time.time() + self.timeout_s
+        while not self.lock.acquire(timeout=0.1):
+            with self.holder.get_lock():  # (one process takes over, never two)
+                holder = self.holder.value
+                if holder and not process_alive(holder):
+                    self.holder.value = os.getpid()
+                    break  # the lock is ours now
+            if time.time() > deadline:
+                raise SearcherDied(f"the shared weights' lock has been held for more than {self.timeout_s:g} s "
+                                   f"(--searcher-timeout) by {f'pid {holder}' if holder else 'a process that died taking it'}")
+        else:
+            self.holder.value = os.getpid()
+        try:
+            yield
+        finally:
+            self.holder.value = 0
+            self.lock.release()  # (a multiprocessing Lock may be released by a process that did not acquire it)
+
+
+def process_alive(pid):
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): ask the kernel
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
 
 def allocate_shared(cfg, weights, policy, ref, step, ref_version):
@@ -136,7 +182,7 @@ class WeightSender:
     def __init__(self, store, ranks, timeout_s, dtype=None):
         self.store, self.ranks, self.timeout_s = store, ranks, timeout_s  # store: this thread's own client
         self.dtype = dtype  # the searchers' dtype: floating-point tensors are cast to it as they are packed
-        self.thread, self.error, self.publishes, self.skipped = None, None, 0, 0
+        self.thread, self.error = None, None
         self.buffers = {}  # kind -> the byte tensor its transfers are packed into (reused while the size holds)
 
     def busy(self):
@@ -147,11 +193,10 @@ class WeightSender:
             self.thread.join(timeout_s)
 
     def send(self, items, wait=False):
-        """Send [(kind, version, model)] to every searcher. While a transfer is in flight this is skipped
-        (returns False), or with wait=True waits for it first (at most timeout_s)."""
-        self.publishes += 1
+        """Send [(kind, version, model)] to every searcher. While a transfer is in flight nothing is sent (returns
+        False: the caller sends it later, ops/distributed.DistSearchers), or with wait=True it waits for that
+        transfer first (at most timeout_s)."""
         if self.busy() and not wait:
-            self.skipped += 1
             return False
         self.join(self.timeout_s)
         if self.busy():

@@ -1,8 +1,9 @@
 """
-Helpers the process-level tests share: the tiny preset shrunk to seconds, its metrics read back strictly, and
-the process-tree checks of the fault tests (no orphan may outlive a run).
+Helpers the process-level tests share: the tiny preset shrunk to seconds, its metrics read back strictly, the
+process-tree checks of the fault tests (no orphan may outlive a run), and a simulated GPU machine.
 """
 
+import collections
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import torch
 
@@ -189,3 +191,27 @@ def _tiny_qwen2(out_dir, texts):
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return str(out_dir)
+
+
+def simulated_gpus(monkeypatch, n, gib=80):
+    """A machine with n CUDA devices of `gib` GiB each, for the GPU branches CI has no GPU for: torch.cuda's queries
+    answer as that machine would, and a tensor sent to cuda:N stays on the CPU, its bytes counted under "cuda:N" in
+    the Counter returned (what each device would hold)."""
+    allocated = collections.Counter()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=gib << 30, name=f"simulated GPU {i}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    to = torch.Tensor.to
+
+    def to_cpu(tensor, *args, **kwargs):
+        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if device is None or not str(device).startswith("cuda"):
+            return to(tensor, *args, **kwargs)
+        args, kwargs = (("cpu", *args[1:]), kwargs) if "device" not in kwargs else (args, {**kwargs, "device": "cpu"})
+        out = to(tensor, *args, **kwargs)
+        allocated[str(device)] += out.numel() * out.element_size()
+        return out
+    monkeypatch.setattr(torch.Tensor, "to", to_cpu)
+    return allocated

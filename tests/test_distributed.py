@@ -419,3 +419,48 @@ def test_two_nodes_restart_after_a_kill_and_resume_from_the_checkpoint(tmp_path,
 
 if __name__ == "__main__" and sys.argv[1:] == ["weights"]:
     _weights_rank_main()
+
+
+# -----------------------------------------------------------------------------
+# A publish made during a transfer is not lost (issue 38.2: torchrun at k = 1 waited forever)
+
+def test_a_publish_made_while_a_transfer_is_in_flight_is_sent_when_it_ends(monkeypatch):
+    """At k = 1 with a slow receiver, publishes arrive while the previous transfer is still being sent. They used to be
+    dropped, so a merge waiting for a version that was never sent waited forever; now the newest one is sent by the
+    first poll after the transfer ends, and a reference reset takes it along."""
+    import torch.distributed as dist
+    from config import Config
+    from ops.distributed import DistSearchers
+    from ops.weights import WeightSender
+    sent, receiver_done = [], threading.Event()
+
+    def slow_transfer(self, messages):  # the receiving rank takes until receiver_done is set
+        sent.append([(kind, version) for kind, version, *_ in messages])
+        receiver_done.wait(30)
+    monkeypatch.setattr(WeightSender, "_transfer", slow_transfer)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    searchers = DistSearchers(Config(num_searchers=2, sync_every=1), store=store)
+    model = torch.nn.Linear(2, 2)
+    try:
+        searchers.publish(model, 1)  # sent: the transfer starts, and takes a while
+        searchers.publish(model, 2)  # in flight: pending
+        searchers.publish(model, 3)  # replaces 2
+        searchers.poll()
+        assert sent == [[("policy", 1)]] and searchers.pending[1] == 3, "nothing is sent while a transfer is in flight"
+        receiver_done.set()
+        searchers.sender.join(10)
+        searchers.poll()  # (the trainer polls at every merge, and while it waits)
+        searchers.sender.join(10)
+        assert sent == [[("policy", 1)], [("policy", 3)]] and searchers.pending is None, "the newest publish is sent"
+        assert (searchers.publishes, searchers.skipped) == (3, 1)
+        receiver_done.clear()
+        searchers.publish(model, 4)  # sent
+        searchers.publish(model, 5)  # pending while 4 is in flight
+        searchers.send_ref = True
+        threading.Timer(0.5, receiver_done.set).start()
+        searchers.publish_ref(model, 5)  # waits for the transfer, then sends the pending policy with the reference
+        assert sent[-1] == [("policy", 5), ("ref", 5)] and searchers.pending is None
+    finally:
+        receiver_done.set()
+        searchers.sender.join(10)
+        searchers.close(failing=True)

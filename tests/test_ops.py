@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -750,3 +751,144 @@ def _lines(path):
         except ValueError:
             pass
     return out
+
+
+# -----------------------------------------------------------------------------
+# The shared weights' lock (issue 38.3: a searcher killed inside its pull blocked every later publish)
+
+class _StuckLoad:
+    """A pull target whose load_state_dict says it has begun, then never returns (a searcher killed mid-pull)."""
+
+    def __init__(self, started):
+        self.started = started
+
+    def load_state_dict(self, tensors):
+        self.started.set()
+        time.sleep(3600)
+
+
+def _pull_stuck(shared, tensors, started):
+    shared.pull(_StuckLoad(started), tensors, have_version=-1)
+
+
+def test_a_searcher_killed_holding_the_weights_lock_blocks_nobody():
+    """A searcher killed while it holds the SharedWeights lock (inside its pull) used to block the trainer's next
+    publish forever; now the publish takes the lock over within a fraction of a second, and a live holder that
+    keeps it past --searcher-timeout ends the wait with SearcherDied naming its pid."""
+    import torch.multiprocessing as mp
+    from config import SearcherDied
+    from ops.weights import SharedWeights
+    ctx = mp.get_context("spawn")
+    model = torch.nn.Linear(3, 2)
+    shared = SharedWeights(ctx, timeout_s=3.0)
+    shared.allocate(model, version=0, devices=["cpu"], dtype=torch.float32)
+    shared.publish(model, version=1)
+    started = ctx.Event()
+    child = ctx.Process(target=_pull_stuck, args=(shared, shared.tensors["cpu"], started), daemon=True)
+    child.start()
+    assert started.wait(60), "the child began its pull"
+    with pytest.raises(SearcherDied, match=f"pid {child.pid}"):  # alive and holding it: a bounded wait, then named
+        shared.publish(model, version=2)
+    assert shared.version.value == 1
+    child.kill()
+    child.join(10)
+    t0 = time.time()
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+    shared.publish(model, version=3)  # the dead holder's lock is taken over
+    assert time.time() - t0 < 2.0 and shared.version.value == 3
+    assert shared.holder.value == 0 and shared.lock.acquire(timeout=1), "and released again"
+    shared.lock.release()
+    target = torch.nn.Linear(3, 2)
+    assert shared.pull(target, shared.tensors["cpu"], have_version=1) == 3 and torch.all(target.weight == 5.0)
+
+
+# -----------------------------------------------------------------------------
+# A simulated GPU machine (issue 38: the GPU branches no CPU test reached)
+
+class _RecordedProcess:
+    """Stands in for a spawned searcher: keeps the arguments the process would be spawned with."""
+
+    def __init__(self, target, name, daemon, args):
+        self.name, self.pid, self.exitcode, self.args = name, 0, None, args
+
+    def start(self):
+        pass
+
+    def join(self, timeout=None):
+        pass
+
+    def is_alive(self):
+        return False
+
+
+class _Queue(list):
+    """Stands in for a searcher's queues: what was put, unpickled."""
+    put = list.append
+
+    def cancel_join_thread(self):
+        pass
+
+    close = cancel_join_thread
+
+
+def test_on_simulated_gpus_each_searcher_gets_its_own_gpus_copy_a_restarted_one_too_and_the_plan_counts_it(monkeypatch):
+    """Three simulated GPUs, --backend hf, two searchers: the trainer's shared copies of the policy and the reference go
+    to cuda:1 and cuda:2 in bfloat16, exactly the bytes the memory plan counts there; each searcher's job carries its
+    own GPU's copy and no other, and a searcher restarted after the copies were allocated is spawned with none of them
+    (it opened a CUDA context on every GPU) and receives its own GPU's copy with its job."""
+    from config import Config
+    from ops.devices import resolve_devices
+    from ops.memory import BYTES, add_shared_copies
+    from searcher import Searchers
+    from tests.helpers import simulated_gpus
+    allocated = simulated_gpus(monkeypatch, 3)
+    cfg = resolve_devices(Config(num_searchers=2, backend="hf", on_searcher_failure="restart"), torch.cuda.device_count())
+    assert (cfg.device, cfg.searcher_devices, cfg.searcher_dtype) == ("cuda:0", ["cuda:1", "cuda:2"], "bfloat16")
+    spawn = torch.multiprocessing.get_context("spawn")
+    recorded = types.SimpleNamespace(Event=spawn.Event, Value=spawn.Value, Lock=spawn.Lock, Process=_RecordedProcess,
+                                     Queue=lambda maxsize: _Queue())  # (searchers' processes and queues recorded)
+    monkeypatch.setattr(torch.multiprocessing, "get_context", lambda method: recorded)
+    searchers = Searchers(cfg)
+    try:
+        policy, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        searchers.start(cfg, None, policy, ref, None, step=0)
+        params = sum(t.numel() for t in policy.state_dict().values())
+        processes = [("trainer", cfg.device, {})]
+        add_shared_copies(cfg, types.SimpleNamespace(params=params), processes)
+        planned = {device: est["weights shared with its searchers"] for _, device, est in processes[1:]}
+        assert dict(allocated) == planned == {"cuda:1": 2 * params * BYTES["bfloat16"], "cuda:2": 2 * params * BYTES["bfloat16"]}
+        for rank, device in enumerate(["cuda:1", "cuda:2"]):
+            [job] = searchers.jobs[rank]
+            assert all(job["weights"][k] is searchers.weights[k].tensors[device] for k in ("policy", "ref"))
+            assert all(t.dtype == torch.bfloat16 for t in job["weights"]["policy"].values())
+        searchers.procs[1].exitcode = 1  # searcher-1 dies: restarted
+        searchers.check_alive()
+        restarted = searchers.procs[1]
+        spawned_with = restarted.args[5]  # (rank, jobs, queue, stop, pause, weights, parent pid): pickled as __getstate__
+        assert searchers.restarts == 1 and all(w.__getstate__()["tensors"] == {} for w in spawned_with.values())
+        [job] = searchers.jobs[1]
+        assert all(job["weights"][k] is searchers.weights[k].tensors["cuda:2"] for k in ("policy", "ref"))
+    finally:
+        searchers.close()
+
+
+def test_dev_shm_holds_what_the_plan_counts_for_the_host_copies():
+    """On this CPU machine the trainer's shared copies (policy and reference, in the searchers' dtype) are in /dev/shm:
+    what /dev/shm loses when they are allocated is what ops/memory.shared_memory_bytes counts for them (within 5%)."""
+    import shutil
+
+    import torch.multiprocessing as mp
+    from config import Config
+    from ops.memory import SHM, SHM_FLOOR, shared_memory_bytes
+    from ops.weights import SharedWeights, allocate_shared
+    cfg = Config(num_searchers=2, backend="hf", searcher_device="cpu", searcher_dtype="float32")
+    policy, ref = torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048)  # 4.2 M parameters: 16.8 MB a copy
+    params = sum(t.numel() for t in policy.state_dict().values())
+    ctx = mp.get_context("spawn")
+    weights = {kind: SharedWeights(ctx) for kind in ("policy", "ref")}
+    free = shutil.disk_usage(SHM).free
+    allocate_shared(cfg, weights, policy, ref, 0, 0)
+    used = free - shutil.disk_usage(SHM).free
+    planned = shared_memory_bytes(cfg, params) - SHM_FLOOR
+    assert planned == 2 * params * 4 and abs(used - planned) <= 0.05 * planned, (used, planned)

@@ -99,15 +99,10 @@ def test_a_small_dev_shm_is_one_line_before_anything_spawns(tmp_path):
 def test_paper_dry_run_on_a_simulated_one_gpu_machine_prints_its_plan(monkeypatch, capsys):
     """`--preset paper --dry-run` without --plan-for where one 80 GiB GPU is visible (torch.cuda's queries patched):
     the memory plan for that GPU, exit 0 (it raised UnboundLocalError on any machine with a GPU)."""
-    import types
-
-    import torch
-
     import run_gsm8k
     from ops.launch import cli
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30, name="sim"))
+    from tests.helpers import simulated_gpus
+    simulated_gpus(monkeypatch, 1)
     code = cli(run_gsm8k.GSM8KConfig, run_gsm8k.PRESETS, run_gsm8k.main, ["--preset", "paper", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
