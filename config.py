@@ -108,6 +108,9 @@ class Config:
     lora_alpha: float = model_(16.0, "LoRA alpha (the adapters' scale is alpha / rank)")
     lora_dropout: float = model_(0.0, "LoRA dropout")
     lora_target_modules: str = model_("all-linear", "modules that get adapters: all-linear, or a comma list of names")
+    lora_sync: str = model_("adapter", "with --lora-rank and --backend vllm, what a sync sends the searchers: adapter "
+                                       "(the adapters alone, which vLLM serves as a LoRA, a new one per weight version) "
+                                       "| merged (the whole merged model: for a model vLLM cannot serve with LoRA)")
     # trainer
     micro_batch_prompts: int = trainer_(7, "prompts per forward/backward (gradient accumulation over prompts)")
     micro_batch: int = trainer_(64, "rows per no-grad scoring forward (reference log-probs)")
@@ -211,9 +214,10 @@ class SearcherDied(RunError):
     """A searcher process died or went silent (or a torchrun searcher rank, or a weight transfer to it, failed)."""
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """The run was stopped by a signal (Ctrl-C, SIGTERM, SIGHUP); exit code 128 + the signal's number. `detail`:
-    what was saved (empty: the launcher names the last complete checkpoint, if there is one)."""
+    what was saved (empty: the launcher names the last complete checkpoint, if there is one). A BaseException, as
+    KeyboardInterrupt is: a library's `except Exception` (tqdm's, starting its monitor thread) does not swallow it."""
 
     def __init__(self, signum, detail=""):
         self.signum, self.exit_code, self.detail = signum, 128 + signum, detail
@@ -279,11 +283,20 @@ def validate(cfg):
     check(cfg.searcher_dtype in ("auto", "float32", "bfloat16", "float16"), "searcher_dtype",
           "must be auto, float32, bfloat16 or float16")
     check(cfg.on_searcher_failure in ("abort", "restart"), "on_searcher_failure", "must be abort or restart")
+    check(cfg.lora_sync in ("adapter", "merged"), "lora_sync", "must be adapter or merged")
+    check(not (cfg.lora_rank and cfg.backend == "vllm" and cfg.lora_sync == "adapter") or behaviour_logprobs_from_engine(cfg),
+          "lora_sync", "adapter: vLLM's log-probs are the behaviour's at --temperature, so neither --temperature-max "
+          "nor another --loss-temperature (or --lora-sync merged)")
     check(not cfg.plan_for or cfg.dry_run, "plan_for", "plans a run for another machine: use it with --dry-run")
     check(len(cfg.searcher_device.split(",")) in (1, cfg.num_searchers or len(cfg.searcher_device.split(","))),
           "searcher_device", "needs one device or one per searcher")
     kinds = {d.split(":")[0] for d in cfg.searcher_device.split(",")}  # one vLLM build serves CPU or GPU, not both
     check(cfg.backend != "vllm" or len(kinds) == 1, "backend", "vllm needs all searchers on CPU or all on GPU")
+
+
+def behaviour_logprobs_from_engine(cfg):
+    """Whether vLLM's own log-probs are the behaviour's (--lora-sync adapter needs it: its HF copy has no adapters)."""
+    return cfg.temperature_max is None and cfg.score_temperature == cfg.temperature
 
 
 def check(ok, name, message):
@@ -300,8 +313,11 @@ def flag(name):
 
 def build_parser(config_cls, defaults, description=None):
     """argparse with one flag per field, grouped by section, defaults taken from `defaults` then the field."""
-    parser = argparse.ArgumentParser(description=description, usage="%(prog)s [--preset NAME] [--FLAG VALUE ...]",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     usage="%(prog)s [--preset NAME] [--config FILE] [--FLAG VALUE ...]",
+                                     epilog="--config FILE: a YAML or JSON mapping of these names (or a run's own "
+                                            "config.json), which the flags override. TRL's GRPOConfig names are "
+                                            "understood too (docs/tasks.md, \"TRL's names\"): ops/flags.py")
     groups = {name: parser.add_argument_group(name) for name in SECTIONS}  # (argparse leaves out empty ones)
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):

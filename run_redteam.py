@@ -110,7 +110,8 @@ class RedTeamConfig(Config):
             needed["profanity_check"] = "alt-profanity-check"
         missing = [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
         if missing:
-            raise ConfigError(f"red-teaming needs {' and '.join(missing)}: pip install -r requirements.txt")
+            raise ConfigError(f"red-teaming needs {' and '.join(missing)}: pip install {' '.join(missing)} "
+                              f"(the versions requirements.txt pins)")
 
     def extra_models(self):
         """The victim and an HF classifier judge in every searcher, and in the trainer's evaluation."""

@@ -108,6 +108,9 @@ class Searchers:
 
     def spawn(self, rank):
         """(Re)start searcher `rank` with fresh queues (a process killed mid-write can leave its queue corrupt)."""
+        for q in (self.queues[rank], self.jobs[rank]):  # a restart: a job the dead searcher never read must not hold
+            if q is not None:  # the trainer's exit (multiprocessing joins a queue's sender thread at exit)
+                q.cancel_join_thread()
         self.queues[rank] = self.ctx.Queue(maxsize=self.cfg.queue_size)  # its batches, to the trainer
         self.jobs[rank] = self.ctx.Queue(maxsize=1)  # its job, from the trainer
         self.procs[rank] = self.ctx.Process(
@@ -176,7 +179,6 @@ class Searchers:
                 raise SearcherDied(f"{msg}; restart limit --max-searcher-restarts {self.cfg.max_searcher_restarts} reached")
             self.restarts += 1
             tqdm.write(f"{msg}; restarting it ({self.restarts}/{self.cfg.max_searcher_restarts})")
-            self.queues[rank].cancel_join_thread()
             self.spawn(rank)
             self.send_job(rank)
 

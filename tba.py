@@ -106,7 +106,7 @@ def setup(cfg, task, searchers):
               searchers, PromptTokens(tokenizer, task.prompts))
     run.books = Bookkeeping(run)  # (saves the resolved config as run_dir/config.json)
     run.start, run.ref_version, searchers_state = run.books.restore() if cfg.resume else (0, 0, None)
-    searchers.start(cfg, task, for_searchers(policy), ref, tokenizer, run.start, run.ref_version)
+    searchers.start(cfg, task, for_searchers(cfg, policy), ref, tokenizer, run.start, run.ref_version)
     if searchers_state is not None:
         searchers.load_state_dict(searchers_state)
     return run
@@ -201,7 +201,7 @@ def refresh_ref_logp(run, trajectories):
 def publish(run, version):
     """Sync: the trainer's weights become the searchers' policy (never non-finite ones)."""
     run.books.require_finite(run.policy, f"non-finite weights after step {version - 1}: not publishing them")
-    run.books.publish_s = run.searchers.publish(for_searchers(run.policy), version)  # (LoRA: the merged weights)
+    run.books.publish_s = run.searchers.publish(for_searchers(run.cfg, run.policy), version)  # (LoRA: ops/lora.py)
 
 
 if __name__ == "__main__":  # your own model, data and reward (tasks/dataset.py): python tba.py --help

@@ -39,7 +39,7 @@ from buffer import InconsistentBuffer, ReplayBuffer
 from config import LAUNCHED, STOP_SIGNALS, ConfigError, RunError, SearcherDied, Stopped, save_config
 from loss import offpolicy_metrics, tb_log_Z
 from ops.evaluation import EvalPolicy
-from ops.models import autocast
+from ops.models import autocast, source_dtype
 from ops.lora import save_model
 from ops.memory import peak_memory
 from ops.checkpoint import (CheckpointError, checkpoints_newest_first, load_checkpoint, respect_umask, save_checkpoint,
@@ -51,7 +51,7 @@ class NonFiniteError(RunError):
     pass
 
 
-class StopRequested(Exception):
+class StopRequested(BaseException):
     """A stop signal arrived: the trainer checkpoints at the next step boundary (or while it waits) and stops."""
 
 
@@ -306,12 +306,13 @@ def reward_reports(reports):
 
 
 def save_final(run, final_dir, result):
-    """final/ (the trained policy, LoRA merged, and its tokenizer: from_pretrained loads it) and result.json, each
-    written under a temporary name and renamed into place; a failed write is a WriteError, nothing half-written left."""
+    """final/ (the trained policy, LoRA merged, in the dtype of the checkpoint it started from, and its tokenizer:
+    from_pretrained loads it) and result.json, each written under a temporary name and renamed into place; a failed
+    write is a WriteError, nothing half-written left."""
     tmp = f"{final_dir}.tmp{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model(run.policy, tmp)
+        save_model(run.policy, tmp, source_dtype(run.cfg))  # (in the dtype the run's model came in)
         run.tokenizer.save_pretrained(tmp)
         respect_umask(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)

@@ -39,7 +39,7 @@ import os
 import shutil
 import time
 
-from config import ConfigError, RunError, Stopped, flag
+from config import ConfigError, RunError, flag
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "result.json", "checkpoints", "final", "evals",
              "tensorboard", "wandb")  # what a run writes
@@ -84,9 +84,12 @@ def prepare_run_dir(cfg, run_dir_given):
     try:
         if cfg.resume:
             check_resume(cfg)
-        elif used and not cfg.overwrite:
+        elif used and not cfg.overwrite and not trained_nothing(cfg.run_dir):
             raise ConfigError(f"--run-dir {cfg.run_dir} holds an earlier run ({', '.join(used)}); "
                               f"continue it with --resume {cfg.run_dir}, or pass --overwrite to replace it")
+        elif used and not cfg.overwrite:
+            print(f"--run-dir {cfg.run_dir}: an earlier start ended before its first step ({', '.join(used)}); "
+                  f"starting afresh there")
     except ConfigError:  # a refused run writes nothing: the lock file keeps the pid of the run that wrote it
         release_run_dir()
         for path in reversed(made):
@@ -100,6 +103,19 @@ def prepare_run_dir(cfg, run_dir_given):
             path = os.path.join(cfg.run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     remove_leftovers(cfg.run_dir)  # (this run holds the lock: no one else is writing them)
+
+
+def trained_nothing(run_dir):
+    """Whether what run_dir holds was written by a start that ended before it trained a step (a reward that raised
+    at its first call, a model that would not load, ...): no checkpoint, no result, and no step in metrics.jsonl.
+    The same command then starts afresh there rather than asking for --overwrite."""
+    if any(os.path.exists(os.path.join(run_dir, n)) for n in ("checkpoints", "final", "result.json")):
+        return False
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return not any('"loss/train"' in line for line in f)
+    except FileNotFoundError:
+        return True
 
 
 def release_run_dir():
@@ -138,7 +154,7 @@ def check_resume(cfg):
         raise ConfigError(f"--resume {cfg.resume}: the run was saved with {was}, now {now}; "
                           f"pass --allow-config-change to continue anyway")
     if changed:
-        print(f"resume: changed since the checkpoint: " + ", ".join(f"{flag(k)} {saved[k]} -> {new[k]}" for k in changed))
+        print("resume: changed since the checkpoint: " + ", ".join(f"{flag(k)} {saved[k]} -> {new[k]}" for k in changed))
 
 
 # -----------------------------------------------------------------------------
@@ -174,7 +190,7 @@ def save_checkpoint(run_dir, step, policy, ref, opt, buffer, state, keep=2):
         write_text_atomic(os.path.join(root, "latest"), os.path.basename(final))
     except BaseException as e:  # (a second stop signal too): nothing half-written stays, the last checkpoint does
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and not isinstance(e, Stopped):  # (a stop is a stop, not a failed write)
+        if isinstance(e, Exception):  # (a stop, a BaseException, is a stop, not a failed write)
             raise write_error(final, e, needed) from None
         raise
     for old in checkpoints_newest_first(run_dir)[keep:]:

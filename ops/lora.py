@@ -1,9 +1,14 @@
 """
 LoRA (--lora-rank) through PEFT: adapters on the policy's linear layers, trained alone; the reference is the same
-model with its adapters off (no second copy); the searchers get the merged weights W + B A under the plain
-model's names, and final/ is saved merged, so that from_pretrained loads it. An operation for memory, not the
-algorithm: ops.models.load_trainer_models, tba.publish and the checkpoints reach it.
+model with its adapters off (no second copy); HF searchers get the merged weights W + B A under the plain model's
+names, vLLM searchers the adapters alone (--lora-sync adapter, the default: ops/vllm_backend.py serves them as a
+LoRA), and final/ is saved merged, so that from_pretrained loads it. An operation for memory, not the algorithm:
+ops.models.load_trainer_models, tba.publish and the checkpoints reach it.
 """
+
+import json
+import os
+import re
 
 import torch
 
@@ -48,16 +53,46 @@ class Merged:
         return plain_state_dict(self.model)
 
 
-def for_searchers(policy):
-    return Merged(policy) if is_lora(policy) else policy
+class Adapters:
+    """What vLLM searchers receive of a LoRA policy under --lora-sync adapter: its adapters alone (every lora_A and
+    lora_B), under the names PEFT saves them with in adapter_model.safetensors. RhoMath-1B with rank-16 adapters
+    on every linear layer: 12.6 M parameters a sync against 1.1 B merged (docs/scaling.md)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return {re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", k): v for k, v in self.model.state_dict().items()
+                if ".lora_A." in k or ".lora_B." in k}
 
 
-def save_model(model, path):
-    """save_pretrained, a LoRA model merged: a directory AutoModelForCausalLM.from_pretrained loads."""
-    if is_lora(model):
-        model.get_base_model().save_pretrained(path, state_dict=plain_state_dict(model))
-    else:
-        model.save_pretrained(path)
+def adapter_sync(cfg):
+    """Whether a sync sends the adapters alone: LoRA with vLLM searchers, unless --lora-sync merged."""
+    return bool(cfg.lora_rank) and cfg.backend == "vllm" and cfg.lora_sync == "adapter"
+
+
+def for_searchers(cfg, policy):
+    """What a publish sends the searchers of `policy`: the model itself, or for LoRA its merged weights, or its
+    adapters alone (`adapter_sync`)."""
+    if not is_lora(policy):
+        return policy
+    return Adapters(policy) if adapter_sync(cfg) else Merged(policy)
+
+
+def save_model(model, path, dtype=None):
+    """save_pretrained, a LoRA model merged: a directory AutoModelForCausalLM.from_pretrained loads. `dtype`: its
+    floating-point tensors cast to it (config.json says so), e.g. the dtype of the checkpoint the run started from;
+    None: as the model holds them."""
+    base, state = (model.get_base_model(), plain_state_dict(model)) if is_lora(model) else (model, model.state_dict())
+    if dtype is not None:
+        state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
+    base.save_pretrained(path, state_dict=state)
+    if dtype is not None:  # (save_pretrained writes the dtype the model holds)
+        config = os.path.join(path, "config.json")
+        with open(config) as f:
+            saved = json.load(f)
+        with open(config, "w") as f:
+            json.dump({**saved, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2, sort_keys=True)
 
 
 class AdaptersOff:

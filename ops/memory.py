@@ -29,6 +29,7 @@ import os
 import re
 
 from config import ConfigError
+from ops.lora import adapter_sync
 
 GIB = 1 << 30
 CUDA_CONTEXT = GIB // 2  # what a process's CUDA context and allocator take before its first tensor
@@ -119,7 +120,7 @@ def trainer_estimate(cfg, shape, extra):
 
 def lora_params(cfg, shape):
     """The adapters' parameters: rank x (in + out) per adapted matrix (every linear layer: q, k, v, o, the MLP's)."""
-    per_layer = 2 * shape.hidden + 2 * (shape.hidden + shape.kv_dim) + 3 * (shape.hidden + shape.intermediate)
+    per_layer = 2 * 2 * shape.hidden + 2 * (shape.hidden + shape.kv_dim) + 3 * (shape.hidden + shape.intermediate)
     return cfg.lora_rank * per_layer * shape.layers
 
 
@@ -260,7 +261,8 @@ def shared_memory_bytes(cfg, params=None):
     """What a run puts in /dev/shm: the searcher processes' semaphores and counters, the copy of the policy (and
     the reference, if the objective reads it) that the trainer shares with searchers whose copy is on the host
     (`shared_device`), and with the vLLM backend each searcher's snapshot of the policy, which it
-    writes there to reload its engine at every sync (ops/vllm_backend.py), all in the searchers' dtype.
+    writes there to reload its engine at every sync (ops/vllm_backend.py), all in the searchers' dtype; with LoRA
+    and --lora-sync adapter, the policy's copy and snapshots are its adapters.
     params: the policy's parameter count, if known."""
     if cfg.sync:
         return 0
@@ -269,8 +271,11 @@ def shared_memory_bytes(cfg, params=None):
     if (host or snapshots) and params is None and cfg.model:
         shape = None if os.path.isdir(cfg.model) else shape_of(cfg.model)
         params = local_params(cfg.model) if os.path.isdir(cfg.model) else shape.params if shape else None
-    copies = (1 + ("ref_logp" in cfg.needs)) * host + snapshots
-    return SHM_FLOOR + (params or 0) * BYTES[cfg.searcher_dtype] * copies
+    sent = params  # what a publish copies there: the policy, or with --lora-sync adapter its adapters alone
+    if adapter_sync(cfg) and cfg.model and shape_of(cfg.model):
+        sent = lora_params(cfg, shape_of(cfg.model))
+    ref = ("ref_logp" in cfg.needs) * host
+    return SHM_FLOOR + BYTES[cfg.searcher_dtype] * ((sent or 0) * (host + snapshots) + (params or 0) * ref)
 
 
 def local_params(path):

@@ -118,6 +118,17 @@ def dtype_of(name):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bf16-mixed": torch.float32}[name]
 
 
+def source_dtype(cfg):
+    """The dtype of the checkpoint the run started from, as its config.json says (None: it says none, or it cannot
+    be read): final/ is saved in it, so that a bfloat16 model comes out in bfloat16 (not twice its size in float32)."""
+    from transformers import AutoConfig
+    try:
+        dtype = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code).dtype
+    except (OSError, ValueError):
+        return None
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def autocast(cfg, device):
     """bfloat16 compute on float32 weights under --trainer-dtype bf16-mixed (a no-op context otherwise)."""
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.trainer_dtype == "bf16-mixed")

@@ -48,6 +48,13 @@ How it is wired, and why:
      forward, when the loss's temperature is the sampling temperature; otherwise `sample` returns None and
      the searcher scores the responses with its own policy copy.
 
+  10. LoRA (--lora-rank) with --lora-sync adapter (the default): the engine serves the base model with LoRA enabled,
+     and a sync sends the adapters alone (ops/lora.Adapters): they are written as a PEFT adapter directory under
+     this generator's /dev/shm directory, a new LoRARequest id per weight version (requests under way finish on
+     theirs), the one before kept and older ones removed. A sync then moves ~1% of the bytes of the merged model.
+     The engine's log-probs are the behaviour's, so the loss's temperature must be the sampling temperature
+     (config.validate); --lora-sync merged sends the merged model instead, as without LoRA.
+
 Departure from the official code: it copies new weights into the engine's model object directly
 (`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)`: vLLM's private
 internals, which change between versions); here they go through a file in shared memory and vLLM's public
@@ -61,6 +68,7 @@ import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (1) before vllm is imported: the engine in this process
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the run's own output
 
+import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import weakref  # noqa: E402
@@ -69,7 +77,10 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 
+from config import behaviour_logprobs_from_engine  # noqa: E402
+from ops.lora import adapter_sync  # noqa: E402
 from ops.models import score_logprobs, stop_ids  # noqa: E402
 
 
@@ -87,16 +98,25 @@ class VLLMGenerator:
             if on_cpu else None)
         if on_cpu:  # (8) vLLM would drop this process to 1 torch thread unless OMP_NUM_THREADS says otherwise
             os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        self.adapters = adapter_sync(cfg)  # (10) a sync sends the LoRA adapters alone
+        if self.adapters and not behaviour_logprobs_from_engine(cfg):
+            raise ValueError("--lora-sync adapter: vLLM's log-probs must be the behaviour's (no --temperature-max, no "
+                             "other --loss-temperature); use --lora-sync merged")
+        lora = dict(enable_lora=True, max_loras=2, max_lora_rank=min(r for r in LORA_RANKS if r >= cfg.lora_rank)) \
+            if self.adapters else {}
         self.llm = LLM(model=cfg.model, dtype=cfg.searcher_dtype, seed=seed, trust_remote_code=cfg.trust_remote_code,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=on_cpu,
                        kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                        use_tqdm_on_load=False,  # no progress bar at every reload
-                       logprobs_mode="processed_logprobs")  # (9) log-probs after the temperature, as sampled
+                       logprobs_mode="processed_logprobs", **lora)  # (9) log-probs after the temperature, as sampled
         self.shapes = {name: tuple(t.shape) for name, t in policy.state_dict().items()}
         self.policy, self.pad_id, self.micro_batch = policy, tokenizer.pad_token_id, cfg.micro_batch  # (for `sample`)
         self.stop_ids, self.max_new_tokens = stop_ids(policy, tokenizer), cfg.max_new_tokens  # every EOS id
         self.seed, self.requests = seed, 0
         self.model = None  # the weights live inside the engine
+        self.lora_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+                            "bias": "none", "base_model_name_or_path": cfg.model}  # (10) its target modules: per load
+        self.loras, self.adapter_tensors, self.syncs = [], {}, 0  # the newest two LoRARequests (the newest last)
         self.snapshot_dir = tempfile.mkdtemp(prefix="tba-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.snapshot_dir, True)  # removed when this process exits
 
@@ -108,7 +128,8 @@ class VLLMGenerator:
                                          max_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_ids),
                                          seed=(self.seed << 32) + self.requests, detokenize=False, logprobs=logprobs))
             self.requests += 1
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_tokens], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_tokens], params, use_tqdm=False,
+                                    lora_request=self.loras[-1] if self.loras else None)  # (10)
         self.last = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
         return [list(c.token_ids) for c in self.last]
 
@@ -124,11 +145,13 @@ class VLLMGenerator:
         return responses, [tuple(step[t].logprob for step, t in zip(c.logprobs, c.token_ids)) for c in self.last]
 
     def state_dict(self):
-        return self.policy.state_dict()  # (the HF copy's, which every load keeps equal to the engine's)
+        return self.adapter_tensors if self.adapters else self.policy.state_dict()  # (the HF copy's, kept equal)
 
     def load_state_dict(self, tensors):
         """Replace the engine's weights with `tensors` (names and shapes as at start): (2)-(5) above; and the HF
-        copy's, which scores at another temperature."""
+        copy's, which scores at another temperature. With --lora-sync adapter, the adapters: (10)."""
+        if self.adapters:
+            return self.load_adapters(tensors)
         check_tensors(tensors, self.shapes)
         self.policy.load_state_dict(tensors)
         path = os.path.join(self.snapshot_dir, "model.safetensors")
@@ -138,6 +161,25 @@ class VLLMGenerator:
         finally:
             os.remove(path)  # /dev/shm is memory: a 1B model's bfloat16 snapshot holds about 2 GB of it
         self.llm.reset_prefix_cache()  # (3) cached KV blocks came from the old weights
+
+    def load_adapters(self, tensors):
+        """(10) The adapters as the engine's newest LoRA: a PEFT adapter directory, a new id; two kept at most."""
+        self.syncs += 1
+        path = os.path.join(self.snapshot_dir, f"adapter-{self.syncs}")
+        os.makedirs(path)
+        save_file(separate(tensors), os.path.join(path, "adapter_model.safetensors"))
+        targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})  # (q_proj, ...)
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({**self.lora_config, "target_modules": targets}, f)
+        dropped, self.loras = self.loras[:-1], self.loras[-1:] + [LoRARequest(f"policy-{self.syncs}", self.syncs, path)]
+        for old in dropped:  # (older than the previous one: no request of this process uses it any more)
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.adapter_tensors = tensors
+        self.llm.reset_prefix_cache()  # (3)
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
 def check_tensors(tensors, shapes):

@@ -3,9 +3,12 @@ Your own model, data and reward as a Task: what `python tba.py` trains.
 
     python tba.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward my_reward.py:says_yes
 
-  --dataset / --eval-dataset   a .jsonl, .json, .csv or .parquet file, a `save_to_disk` directory, or a hub id
-                               (when online), read with Hugging Face `datasets`; without --eval-dataset the
-                               last --eval-holdout rows of --dataset are held out
+  --dataset / --eval-dataset   a .jsonl, .json, .csv or .parquet file, a `save_to_disk` directory, a hub id (when
+                               online; --dataset-config its configuration) or a local copy of a hub repository,
+                               read with Hugging Face `datasets`; --eval-split evaluates on another split (of
+                               --dataset without --eval-dataset); with neither, the last --eval-holdout rows of
+                               --dataset are held out (said at the start)
+  --system-prompt              a system message before every prompt, through the chat template
   --prompt-column              a string, or a list of chat messages [{"role": ..., "content": ...}]; messages
                                go through the tokenizer's chat template (the generation prompt added, never a
                                second BOS)
@@ -61,43 +64,55 @@ PRESETS = {"default": DEFAULTS}
 class DatasetConfig(Config):
     dataset: str = knob("", "training prompts: a .jsonl/.json/.csv/.parquet file, a save_to_disk directory, or a hub id")
     eval_dataset: str = knob("", "held-out prompts, as --dataset (empty: the last --eval-holdout rows of --dataset)")
-    eval_holdout: int = knob(64, "rows of --dataset held out for evaluation when there is no --eval-dataset")
+    eval_holdout: int = knob(64, "rows of --dataset held out for evaluation when there is neither --eval-dataset nor "
+                                 "--eval-split")
+    dataset_config: str = knob("", "the configuration of a hub dataset (or of a local copy of its repository): "
+                                   "openai/gsm8k's main or socratic, say")
     dataset_split: str = knob("train", "the split to read from a hub dataset or a DatasetDict directory")
+    eval_split: str = knob("", "the split of --eval-dataset, or without it the split of --dataset to evaluate on "
+                               "(test, say); empty: --eval-dataset's --dataset-split, or the --eval-holdout rows")
     prompt_column: str = knob("prompt", "the column holding each prompt: a string, or a list of chat messages")
+    system_prompt: str = knob("", "a system message put before every prompt (a text prompt becomes the user's "
+                                  "message), through the model's chat template; the reward sees the dataset's prompt")
     reward: list[str] = knob([], "the reward, FILE.py:NAME or module:NAME, called as TRL's GRPOTrainer calls its "
                                  "reward functions (async def too); give it again for several")
     reward_weights: list[float] = knob([], "the rewards' weights in their sum, one per --reward (default: 1.0 each)")
 
     def check_inputs(self):
         """Everything make_task will read, read now (before anything starts): the flags, the reward, the rows."""
-        make_task(self)
+        make_task(self, say=True)
 
 
 class RewardError(RunError):
     """The user's reward function failed or returned something that is not one finite number per completion."""
 
 
-def make_task(cfg):
-    """The DatasetTask of --dataset, --eval-dataset and --reward; every problem is one line naming its flag."""
+def make_task(cfg, say=False):
+    """The DatasetTask of --dataset, --eval-dataset and --reward; every problem is one line naming its flag. say: print
+    what is held out for evaluation (once, at the checks before the run)."""
     for name in ("model", "dataset", "reward"):
         if not getattr(cfg, name):
             raise ConfigError(f"--{name} is required (python tba.py --model M --dataset D --reward FILE.py:NAME)")
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward):
         raise ConfigError(f"--reward-weights: {len(cfg.reward_weights)} weights for {len(cfg.reward)} rewards")
-    rows = list(read_rows(cfg.dataset, cfg.dataset_split, "dataset", cfg.prompt_column))
+    rows = list(read_rows(cfg.dataset, cfg.dataset_config, cfg.dataset_split, "dataset", cfg.prompt_column))
     for spec in cfg.reward:  # a missing file or function, or a signature that cannot take TRL's arguments: now
         check_signature(spec, load_reward(spec), [c for c in rows[0] if c != cfg.prompt_column])
-    if cfg.eval_dataset:
-        eval_rows = read_rows(cfg.eval_dataset, cfg.dataset_split, "eval_dataset", cfg.prompt_column)
+    if cfg.eval_dataset or cfg.eval_split:
+        eval_rows = read_rows(cfg.eval_dataset or cfg.dataset, cfg.dataset_config, cfg.eval_split or cfg.dataset_split,
+                              "eval_dataset" if cfg.eval_dataset else "dataset", cfg.prompt_column)
     elif cfg.eval_holdout < len(rows):
         rows, eval_rows = rows[:-cfg.eval_holdout], rows[-cfg.eval_holdout:]
+        if say:
+            print(f"--eval-holdout {cfg.eval_holdout}: the last {cfg.eval_holdout} of the {len(rows) + cfg.eval_holdout} "
+                  f"rows of --dataset {cfg.dataset} are held out for evaluation (or: --eval-dataset, --eval-split)")
     else:
         raise ConfigError(f"--eval-holdout {cfg.eval_holdout} leaves no training rows of the {len(rows)} in "
-                          f"--dataset {cfg.dataset}; give --eval-dataset or a smaller --eval-holdout")
+                          f"--dataset {cfg.dataset}; give --eval-dataset, --eval-split or a smaller --eval-holdout")
     chat = [is_chat(r[cfg.prompt_column], cfg.prompt_column) for r in rows + eval_rows]
     if len(set(chat)) > 1:
         raise ConfigError(f"--prompt-column {cfg.prompt_column}: some prompts are chat messages and some are text")
-    render = chat_renderer(cfg) if chat[0] else (lambda prompt: prompt)
+    render = chat_renderer(cfg) if chat[0] or cfg.system_prompt else (lambda prompt: prompt)
     return DatasetTask([render(r[cfg.prompt_column]) for r in rows], rows,
                        [render(r[cfg.prompt_column]) for r in eval_rows], eval_rows,
                        reward=cfg.reward, reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
@@ -237,25 +252,30 @@ def load_reward(spec):
 
 
 @functools.lru_cache(maxsize=4)  # check_inputs reads them before anything starts, make_task again after
-def read_rows(path, split, flag, prompt_column):
-    """The rows of a dataset (a list of dicts) through Hugging Face `datasets`, checked: some rows, the prompt column."""
+def read_rows(path, config, split, flag, prompt_column):
+    """The rows of a dataset (a list of dicts) through Hugging Face `datasets`, checked: some rows, the prompt column.
+    `path`: a data file, a save_to_disk directory, a hub id or a local copy of a hub repository (`config`: which of
+    its configurations)."""
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"--{flag.replace('_', '-')} needs the `datasets` library: pip install -r requirements.txt") from None
+        raise ConfigError(f"--{flag.replace('_', '-')} needs the `datasets` library: pip install datasets==5.2.0 "
+                          f"(the version requirements.txt pins)") from None
     datasets.disable_progress_bars()
     kinds = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     kind = kinds.get(os.path.splitext(path)[1])
     try:
-        if os.path.isdir(path):
-            data = datasets.load_from_disk(path)
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            data = datasets.load_from_disk(path)  # (save_to_disk's)
             data = data[split] if isinstance(data, datasets.DatasetDict) else data
+        elif os.path.isdir(path):  # (a repository's files: its README's configurations, or its data files)
+            data = datasets.load_dataset(path, config or None, split=split)
         elif kind and os.path.isfile(path):
             data = datasets.load_dataset(kind, data_files=path, split="train")
         elif os.path.exists(path) or kind or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path):
             raise ConfigError(f"--{flag.replace('_', '-')} {path}: no such file, or not .jsonl, .json, .csv or .parquet")
         else:
-            data = datasets.load_dataset(path, split=split)
+            data = datasets.load_dataset(path, config or None, split=split)
     except ConfigError:
         raise
     except Exception as e:
@@ -280,7 +300,8 @@ def is_chat(prompt, column):
 
 
 def chat_renderer(cfg):
-    """Chat messages -> the prompt text of the model's chat template, the assistant's turn opened."""
+    """Chat messages (or a text prompt, the user's message) -> the prompt text of the model's chat template, after
+    --system-prompt's message (unless the messages have one), the assistant's turn opened."""
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -288,4 +309,10 @@ def chat_renderer(cfg):
         raise ConfigError(f"--model {cfg.model}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
     if not tokenizer.chat_template:
         raise ConfigError(f"--model {cfg.model}: its tokenizer has no chat template, and the prompts are chat messages")
-    return lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+
+    def render(prompt):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        messages = messages if messages[0]["role"] == "system" else system + messages
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return render

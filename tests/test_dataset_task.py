@@ -136,7 +136,7 @@ def test_csv_parquet_and_save_to_disk_read_alike(own, tmp_path):
     data.to_parquet(tmp_path / "d.parquet")
     data.save_to_disk(tmp_path / "saved")
     for path in ("d.csv", "d.parquet", "saved"):
-        assert read_rows(str(tmp_path / path), "train", "dataset", "prompt") == rows, path
+        assert read_rows(str(tmp_path / path), "", "train", "dataset", "prompt") == rows, path
 
 
 def _run(own, tmp_path, *flags):
@@ -160,6 +160,9 @@ def test_a_reward_that_fails_ends_the_run_naming_it(own, tmp_path):
     out = _run(own, tmp_path, "--reward", f"{own / 'rewards.py'}:nan", "--steps", "40")
     assert out.returncode == 1, out.stderr[-3000:]
     assert f"error: --reward {own / 'rewards.py'}:nan returned 32 values with nan for 32 completions" in out.stderr
+    again = _run(own, tmp_path, "--reward", f"{own / 'rewards.py'}:nan", "--steps", "40")  # the same command again
+    assert again.returncode == 1 and "error: --reward" in again.stderr, again.stderr[-3000:]
+    assert f"--run-dir {tmp_path / 'run'}: an earlier start ended before its first step" in again.stdout, "not refused"
     out = _run(own, tmp_path / "second", "--reward", f"{own / 'rewards.py'}:missing", "--steps", "40")
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"error: --reward {own / 'rewards.py'}:missing: {own / 'rewards.py'} has no missing"]
@@ -195,6 +198,14 @@ def test_the_readme_examples_run_as_written(own, tmp_path):
     out = subprocess.run([sys.executable, "my_run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.fullmatch(r"reward: before [\d.]+ -> after [\d.]+", out.stdout.splitlines()[-1])
+    bash = re.sub(r" *\\\n *", " ", re.findall(r"```bash\n(.*?)```", section, re.S)[0])  # (continued lines joined)
+    command = re.search(r"^(python tba.py .*--max_steps 100.*?)(?:  #.*)?$", bash, re.M).group(1)  # TRL's names
+    command = command.replace("Qwen/Qwen2.5-0.5B-Instruct", str(own / "qwen")).replace("--max_steps 100", "--max_steps 4")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tba.py"), *command.split()[2:], "--max_completion_length", "6",
+                          "--eval-holdout", "16", "--eval-size", "16", "--device", "cpu", "--output_dir", "trl-run"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.load(open(tmp_path / "trl-run" / "config.json"))["steps"] == 4
 
 
 TRL_DOCS = r'''
@@ -296,3 +307,128 @@ def test_two_rewards_one_async_with_weights_learn_and_none_is_skipped(own, tmp_p
     assert re.search(r"warning: \d+ completions that every reward scored None were skipped at step \d+", out.stdout)
     rows = read_metrics(tmp_path / "none", evals=True)
     assert sum(r.get("reward/unscored", 0) for r in rows) > 0 and all(r["reward/batch"] == 1.0 for r in rows if "loss/train" in r)
+
+
+def test_dry_run_runs_the_input_checks_of_a_real_start(own, tmp_path):
+    """--dry-run refuses (exit 2, one line) what the real start would: a dataset that --eval-holdout leaves without
+    training rows, a model neither here nor reachable; it used to print a plan and exit 0. A model whose shape the
+    plan knows (a paper preset's) is a warning offline."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt": "hi", "target": "yes"}) + "\n")
+    base = [sys.executable, os.path.join(ROOT, "tba.py"), "--reward", f"{own / 'rewards.py'}:says_yes", "--dry-run",
+            "--run-dir", str(tmp_path / "run")]
+    out = subprocess.run(base + ["--model", str(own / "qwen"), "--dataset", str(one)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == (f"error: --eval-holdout 64 leaves no training rows of the 1 in "
+                                                          f"--dataset {one}; give --eval-dataset, --eval-split or a smaller --eval-holdout")
+    text = tmp_path / "text.jsonl"  # (text prompts: chat ones would load the tokenizer for its template first)
+    text.write_text("".join(json.dumps({"prompt": f"do you like tea {i}?", "target": "yes"}) + "\n" for i in range(80)))
+    data = ["--dataset", str(text)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # (no hub, as on this machine)
+    out = subprocess.run(base + ["--model", "nobody/no-such-model", *data], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and out.stderr.startswith("error: --model nobody/no-such-model: not in the Hugging Face "
+                                                         "cache here, and the hub cannot give it"), out.stderr
+    out = subprocess.run(base + ["--model", "realtreetune/rho-1b-sft-GSM8K", *data, "--plan-for", "1x80"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "warning: --model realtreetune/rho-1b-sft-GSM8K: not in the Hugging Face cache" in out.stdout
+    assert "memory plan (estimates; GPUs of 80 GiB):" in out.stdout and not os.path.exists(tmp_path / "run")
+
+
+# -----------------------------------------------------------------------------
+# TRL's names and --config files (ops/flags.py)
+
+TRL_FLAGS = ["--learning_rate", "3e-3", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4",
+             "--num_generations", "8", "--max_completion_length", "6", "--max_steps", "40", "--logging_steps", "10"]
+
+
+def _run_trl(own, *flags):
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--model", str(own / "qwen"), "--dataset", str(own / "train.jsonl"),
+           "--eval-dataset", str(own / "eval.jsonl"), "--device", "cpu", "--initial-completions", "32", "--eval-every", "0",
+           *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _learned(out):
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(float, re.fullmatch(r"reward: before ([\d.]+) -> after ([\d.]+)", out.stdout.splitlines()[-1]).groups())
+    return after - before
+
+
+def test_trl_names_on_the_command_line_and_in_a_yaml_file_learn(own, tmp_path):
+    """The command line a GRPOTrainer user brings (GRPOConfig's names; their batch of 8 x 4 completions, 8 per prompt)
+    runs and learns as the own-task test does (+0.2), and so do the same names in a --config YAML file."""
+    cli = _run_trl(own, *TRL_FLAGS, "--reward", f"{own / 'rewards.py'}:says_yes", "--output_dir", str(tmp_path / "cli"))
+    assert _learned(cli) >= 0.2, cli.stdout[-2000:]
+    saved = json.load(open(tmp_path / "cli" / "config.json"))
+    assert (saved["lr"], saved["batch_size"], saved["responses_per_prompt"], saved["samples_per_prompt"],
+            saved["max_new_tokens"], saved["steps"], saved["log_every"]) == (3e-3, 32, 8, 8, 6, 40, 10)
+    yaml = "".join(f"{a[2:]}: {b}\n" for a, b in zip(TRL_FLAGS[::2], TRL_FLAGS[1::2]))
+    (tmp_path / "grpo.yaml").write_text(yaml + f"reward:\n  - {own / 'rewards.py'}:says_yes\noutput_dir: {tmp_path / 'yaml'}\n")
+    from_file = _run_trl(own, "--config", str(tmp_path / "grpo.yaml"))
+    assert _learned(from_file) >= 0.2, from_file.stdout[-2000:]
+    assert {k: v for k, v in json.load(open(tmp_path / "yaml" / "config.json")).items() if k != "run_dir"} == \
+           {k: v for k, v in saved.items() if k != "run_dir"}, "the file and the command line make the same run"
+
+
+def test_a_runs_config_json_repeats_it_exactly_and_flags_override_the_file(own, tmp_path):
+    """--config RUN_DIR/config.json makes the same run (the same resolved config, the same first-step metrics but
+    time and memory: --sync, where a step's batch does not depend on timing); a flag after it overrides the file's."""
+    first = _run_trl(own, "--sync", "--reward", f"{own / 'rewards.py'}:says_yes", "--steps", "2", "--lr", "3e-3",
+                     "--batch-size", "16", "--responses-per-prompt", "4", "--max-new-tokens", "6", "--run-dir", str(tmp_path / "a" / "run"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _run_trl(own, "--config", str(tmp_path / "a" / "run" / "config.json"), "--run-dir", str(tmp_path / "b" / "run"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    config = lambda run: {k: v for k, v in json.load(open(tmp_path / run / "run" / "config.json")).items() if k != "run_dir"}
+    assert config("b") == config("a")
+    step0 = lambda run: {k: v for k, v in read_metrics(tmp_path / run)[0].items() if k.split("/")[0] not in ("time", "memory")}
+    assert step0("b") == step0("a") and "loss/train" in step0("a")
+    overridden = _run_trl(own, "--config", str(tmp_path / "a" / "run" / "config.json"), "--run-dir", str(tmp_path / "c"),
+                          "--steps", "1", "--dry-run")
+    assert overridden.returncode == 0 and re.search(r"^steps += 1$", overridden.stdout, re.M), overridden.stdout[-2000:]
+
+
+def test_trl_names_with_no_meaning_here_and_unknown_flags_are_one_line():
+    from ops.flags import TRL, expand
+    from tasks.dataset import DatasetConfig
+    for argv, message in [(["--beta", "0.0"], "--beta 0.0: TB's target is pi_ref exp(r / beta): beta must be > 0"),
+                          (["--max_prompt_length", "256"], "TRL 1.16 has no max_prompt_length; here: --max-prompt-tokens"),
+                          (["--num_train_epochs", "3"], "this trainer counts steps: --max_steps"),
+                          (["--top_p", "0.9"], "searchers sample with full support"),
+                          (["--learnin_rate", "1e-5"], "unrecognized flag --learnin_rate: did you mean --learning_rate?"),
+                          (["--max-new-token", "8"], "unrecognized flag --max-new-token: did you mean --max-new-tokens?")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            expand(DatasetConfig, argv)
+    assert expand(DatasetConfig, ["--top_k", "0", "--bf16", "--use_vllm", "--warmup_steps", "3"]) == \
+           ["--trainer-dtype", "bf16-mixed", "--backend", "vllm", "--warmup-steps", "3"]
+    trl = pytest.importorskip("trl")
+    import dataclasses
+    names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    assert trl.__version__ == "1.16.0" and set(TRL) - names == {"max_prompt_length"}, "every other name is TRL 1.16's"
+    from ops.flags import table
+    assert table() in open(os.path.join(ROOT, "docs", "tasks.md")).read(), "docs/tasks.md prints ops/flags.py's table"
+
+
+def test_a_hub_dataset_with_a_config_trains_on_one_split_and_evaluates_on_another(own, tmp_path, capsys):
+    """A local copy of a hub repository laid out as openai/gsm8k's (configurations main and socratic, each with train
+    and test splits, declared in its README): --dataset-config picks one, --dataset-split and --eval-split the splits;
+    --system-prompt goes before every prompt through the chat template; held-out rows are said at the start."""
+    import datasets
+    repo = tmp_path / "gsm8k-like"
+    for config in ("main", "socratic"):
+        for split, n in (("train", 40), ("test", 10)):
+            (repo / config).mkdir(parents=True, exist_ok=True)
+            rows = [{"prompt": f"{config} {split} question {i}?", "target": "yes"} for i in range(n)]
+            datasets.Dataset.from_list(rows).to_parquet(str(repo / config / f"{split}-00000-of-00001.parquet"))
+    (repo / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n  - split: test\n    path: {c}/test-*\n"
+        for c in ("main", "socratic")) + "---\n")
+    cfg = _cfg(own, dataset=str(repo), dataset_config="socratic", eval_dataset="", eval_split="test",
+               system_prompt="Answer yes or no.")
+    task = make_task(cfg, say=True)
+    assert [m["prompt"] for m in task.metas[:1] + task.eval_metas[:1]] == ["socratic train question 0?", "socratic test question 0?"]
+    assert (len(task.prompts), len(task.eval_prompts)) == (40, 10) and capsys.readouterr().out == ""
+    assert task.prompts[0] == ("<|im_start|>system\nAnswer yes or no.<|im_end|>\n<|im_start|>user\nsocratic train "
+                               "question 0?<|im_end|>\n<|im_start|>assistant\n")
+    held = make_task(_cfg(own, dataset=str(repo), dataset_config="main", eval_dataset="", eval_holdout=8), say=True)
+    assert (len(held.prompts), len(held.eval_prompts)) == (32, 8) and held.prompts[0] == "main train question 0?"
+    assert capsys.readouterr().out.strip() == (f"--eval-holdout 8: the last 8 of the 40 rows of --dataset {repo} are "
+                                               "held out for evaluation (or: --eval-dataset, --eval-split)")

@@ -260,3 +260,46 @@ def test_checkpoints_load_onto_the_policys_device_and_torchrun_ranks_share_fewer
         assert local_device("auto", rank) == want
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert local_device("auto", 1) == "cpu" and local_device("cuda:1,cuda:0", 2) == "cuda:0"
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])
+def test_final_is_saved_in_the_dtype_the_model_came_in(tmp_path, source):
+    """A model that came in bfloat16 is trained in float32 (bf16-mixed holds float32 weights) and final/ is saved in
+    bfloat16 again, half the size, config.json saying so; float32 stays float32. from_pretrained loads either."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+    from ops.lora import save_model
+    from ops.models import source_dtype
+    path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
+    AutoModelForCausalLM.from_pretrained(path, dtype=source).save_pretrained(path)  # the checkpoint, in `source`
+    policy, _ = load_model(path, dtype=torch.float32)  # as the trainer holds it
+    assert source_dtype(_cfg(model=path)) == source
+    save_model(policy, tmp_path / "final", source_dtype(_cfg(model=path)))
+    assert json.load(open(tmp_path / "final" / "config.json"))["dtype"] == str(source).removeprefix("torch.")
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert {p.dtype for p in final.parameters()} == {source}
+    want = {n: t.to(source) for n, t in policy.state_dict().items()}
+    assert all(torch.equal(t, want[n]) for n, t in final.state_dict().items()), "the trained weights, cast"
+
+
+def test_lora_adapters_sent_to_vllm_are_what_peft_saves(tmp_path):
+    """--lora-sync adapter (LoRA with vLLM searchers): a publish sends the adapters alone, the very tensors and names
+    of PEFT's adapter_model.safetensors; with HF searchers, or --lora-sync merged, the merged weights."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from ops.lora import Adapters, Merged, for_searchers
+    from ops.models import load_trainer_models
+    path = _tiny_qwen2(tmp_path / "qwen", TEXTS)
+    policy, _, _ = load_trainer_models(_cfg(model=path, lora_rank=4))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    sent = for_searchers(_cfg(model=path, lora_rank=4, backend="vllm"), policy)
+    policy.save_pretrained(tmp_path / "adapter")
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert isinstance(sent, Adapters) and sent.state_dict().keys() == saved.keys()
+    assert all(torch.equal(sent.state_dict()[k], saved[k]) for k in saved)
+    for cfg in (_cfg(model=path, lora_rank=4, backend="hf"), _cfg(model=path, lora_rank=4, backend="vllm", lora_sync="merged")):
+        assert isinstance(for_searchers(cfg, policy), Merged)

@@ -95,7 +95,9 @@ def test_config_errors_before_spawn(tmp_path, flags, message, capsys):
 def test_unknown_flag_is_an_error():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "run_gsm8k.py"), "--no-such-flag", "1"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "unrecognized arguments: --no-such-flag" in out.stderr
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "error: unrecognized flag --no-such-flag: did you mean --no-sync? (--help lists every flag; TRL's names: "
+        "docs/tasks.md)"]
 
 
 def _umask():
@@ -189,6 +191,34 @@ def test_killed_searcher_restart_or_abort(tmp_path, cache_dir, policy):
     watchdog.cancel()
     time.sleep(0.5)
     assert not [p for p in searchers if _alive(p)], "processes outlived the run"
+
+
+RESTART_BEFORE_THE_JOB = """
+import sys, time
+sys.path.insert(0, {root!r})
+from config import Config
+from searcher import Searchers
+if __name__ == "__main__":
+    cfg = Config(num_searchers=1, backend="hf", searcher_device="cpu", searcher_dtype="float32")
+    searchers = Searchers(cfg)
+    searchers.procs[0].kill()  # searcher-0 dies before it reads its job
+    searchers.procs[0].join()
+    searchers.job, searchers.devices = {{"cfg": cfg, "task": None, "step": 0, "pad": b"x" * 1_000_000}}, ["cpu"]
+    searchers.send_job(0)  # (1 MB, more than a pipe holds: the queue's sender thread waits for a reader)
+    time.sleep(0.5)
+    searchers.spawn(0)  # what a restart does
+    searchers.close()
+    print("closed", flush=True)
+"""
+
+
+def test_a_searcher_restarted_before_it_read_its_job_does_not_hold_the_trainers_exit(tmp_path):
+    """A searcher killed while its job was still in the pipe (slow imports on a busy machine) is restarted; the job it
+    never read does not keep the trainer from exiting (multiprocessing joins a queue's sender thread at exit)."""
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART_BEFORE_THE_JOB.format(root=ROOT))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "closed" in done.stdout, done.stderr
 
 
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
@@ -318,7 +348,7 @@ GPUS = torch.cuda.device_count()
     (["--lr-decay", "step"], "--lr-decay must be cosine or linear"),
     (["--tb-trust-region", "--objective", "grpo"], "--tb-trust-region is a TB variant, not grpo's"),
     (["--clip-eps", "1.5"], "--clip-eps must be in (0, 1)"),
-    (["--model", "does-not-exist"], "--model does-not-exist: no such directory, and not a hub id"),
+    (["--model", "models/does-not-exist/v1"], "--model models/does-not-exist/v1: no such directory, and not a hub id"),
 ])
 def test_every_bad_flag_is_one_line_before_anything_starts(tmp_path, flags, message):
     rc, err = _cli(tmp_path, "--run-dir", str(tmp_path / "run"), *flags)
@@ -449,6 +479,21 @@ def test_ctrl_c_during_the_sft_warm_start_exits_cleanly(tmp_path):
     left = os.listdir(tmp_path / "cache") if os.path.exists(tmp_path / "cache") else []
     assert not [n for n in left if ".tmp" in n], "no half-written warm start is left"
     assert not _wait_gone(family, 15)
+
+
+def test_a_stop_signal_is_not_swallowed_by_a_librarys_except_exception(monkeypatch):
+    """A Ctrl-C that lands while tqdm starts its monitor thread (it catches Exception there, and warns) still stops
+    the run: Stopped is a BaseException, as KeyboardInterrupt is."""
+    import tqdm.std
+
+    from config import Stopped
+
+    def signal_now(*args):
+        raise Stopped(signal.SIGINT)
+    monkeypatch.setattr(tqdm.std, "TMonitor", signal_now)
+    monkeypatch.setattr(tqdm.std.tqdm, "monitor", None)
+    with pytest.raises(Stopped):
+        tqdm.std.tqdm(total=1, disable=False, file=open(os.devnull, "w"))
 
 
 def test_a_stopped_searcher_ends_the_run_naming_it(tmp_path, cache_dir):
@@ -892,3 +937,30 @@ def test_dev_shm_holds_what_the_plan_counts_for_the_host_copies():
     used = free - shutil.disk_usage(SHM).free
     planned = shared_memory_bytes(cfg, params) - SHM_FLOOR
     assert planned == 2 * params * 4 and abs(used - planned) <= 0.05 * planned, (used, planned)
+
+
+def test_a_run_dir_that_trained_nothing_is_started_afresh_one_that_trained_is_refused(tmp_path, capsys):
+    """A start that ended before its first step (a reward that raised, a model that would not load) leaves config.json,
+    metrics.jsonl and samples.jsonl: the same command starts afresh there (it asked for --overwrite). A step in
+    metrics.jsonl, a checkpoint or a result is an earlier run: refused, naming --resume and --overwrite."""
+    from config import Config
+    from ops.checkpoint import prepare_run_dir, release_run_dir
+
+    def claim(run, extra):
+        run.mkdir()
+        (run / "config.json").write_text("{}")
+        (run / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.1}\n' + extra.get("metrics.jsonl", ""))
+        for name in set(extra) - {"metrics.jsonl"}:
+            (run / name).mkdir() if name == "checkpoints" else (run / name).write_text(extra[name])
+        try:
+            prepare_run_dir(Config(run_dir=str(run)), True)
+        finally:
+            release_run_dir()
+    claim(tmp_path / "failed", {})
+    assert f"{tmp_path / 'failed'}: an earlier start ended before its first step (config.json, metrics.jsonl); " \
+           "starting afresh there" in capsys.readouterr().out
+    assert not (tmp_path / "failed" / "config.json").exists(), "what the failed start wrote is gone"
+    for i, earlier in enumerate([{"metrics.jsonl": '{"step": 0, "loss/train": 0.5}\n'}, {"checkpoints": ""},
+                                 {"result.json": "{}"}]):
+        with pytest.raises(ConfigError, match=r"holds an earlier run .*continue it with --resume .*, or pass --overwrite"):
+            claim(tmp_path / f"run{i}", earlier)

@@ -74,7 +74,8 @@ def test_every_paper_preset_plans_to_fit_one_80gb_gpu_and_its_paper_hardware(scr
 def test_a_plan_that_does_not_fit_is_refused_in_one_line():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "run_tldr.py"), "--preset", "paper", "--dry-run", "--plan-for",
                           "1x16"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
+    assert out.returncode == 2 and [l.split(":")[0] for l in out.stdout.splitlines()] == ["warning"], out.stdout[-2000:]
+    assert "not in the Hugging Face cache here" in out.stdout, "offline: the model's published shape, said so"
     [line] = out.stderr.splitlines()
     assert line.startswith("error: --plan-for 1x16: cuda:0: trainer, searcher-0 need ") and "of its 16 GiB (trainer: " in line
     out = subprocess.run([sys.executable, os.path.join(ROOT, "run_redteam.py"), "--preset", "paper", "--model", "gpt2",
@@ -113,11 +114,17 @@ def test_dev_shm_need_counts_each_vllm_searchers_snapshot():
     """With --backend vllm each searcher writes a snapshot of the policy to /dev/shm at every sync (ops/vllm_backend.py):
     the need counts one per searcher, beside the host copies the trainer shares (policy and reference)."""
     from config import Config
-    from ops.memory import SHM_FLOOR, shared_memory_bytes
+    import dataclasses
+
+    from ops.memory import SHM_FLOOR, lora_params, shape_of, shared_memory_bytes
     cfg = lambda backend: Config(backend=backend, num_searchers=2, searcher_dtype="bfloat16", searcher_device="cpu")
     params = 10 ** 9
     assert shared_memory_bytes(cfg("hf"), params) == SHM_FLOOR + params * 2 * 2  # (policy and reference, shared)
     assert shared_memory_bytes(cfg("vllm"), params) == SHM_FLOOR + params * 2 * (2 + 2)  # (and 2 snapshots)
+    lora = dataclasses.replace(cfg("vllm"), lora_rank=16, model="realtreetune/rho-1b-sft-GSM8K")  # (--lora-sync adapter)
+    adapters = lora_params(lora, shape_of(lora.model))
+    assert shared_memory_bytes(lora, params) == SHM_FLOOR + params * 2 + adapters * 2 * (1 + 2)  # (the reference whole)
+    assert shared_memory_bytes(dataclasses.replace(lora, lora_sync="merged"), params) == SHM_FLOOR + params * 2 * 4
 
 
 def test_the_plan_counts_the_weights_the_trainer_shares_on_each_hf_searchers_gpu():

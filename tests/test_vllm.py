@@ -188,22 +188,48 @@ def test_vllm_engine_runs_in_process_inside_a_daemonic_spawned_searcher(engine):
     assert tokens == _hf_greedy(load_model(engine.path)[0], engine.tokenizer), "model A, as saved, greedy"
 
 
+def test_vllm_serves_a_final_dir_saved_in_bfloat16(engine, tmp_path):
+    """final/ of a run whose model came in bfloat16 is saved in bfloat16 (ops/lora.save_model): vLLM's CPU build
+    loads it and generates greedily what HF generates from it (as float32: vLLM's bfloat16 kernels stop with SIGILL
+    on this machine's CPU)."""
+    from ops.lora import save_model
+    from ops.models import load_model
+    final = str(tmp_path / "final")
+    save_model(engine.hf, final, torch.bfloat16)
+    engine.tokenizer.save_pretrained(final)
+    assert json.load(open(os.path.join(final, "config.json")))["dtype"] == "bfloat16"
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_generate_in_child, args=(final, results), daemon=True)
+    child.start()
+    try:
+        tokens, _ = results.get(timeout=240)
+    except queue.Empty:
+        pytest.fail(f"the child sent nothing (exit code {child.exitcode}; traceback above)")
+    child.join(timeout=60)
+    assert tokens == _hf_greedy(load_model(final)[0], engine.tokenizer), "final/, as saved, greedy"
+
+
 # -----------------------------------------------------------------------------
 # An asynchronous tiny GSM8K run with vLLM searchers
 
-def test_vllm_async_tiny_run_learns_and_searchers_get_new_versions(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-adapters"])
+def test_vllm_async_tiny_run_learns_and_searchers_get_new_versions(tmp_path, lora):
     """A few dozen steps with one vLLM searcher, on an easier tiny task (2 operations on numbers up to 5) whose
     SFT warm start takes seconds. So short a run need not raise accuracy; what it must show is that the
     searcher samples from every newly published policy and that those samples stay as good as the warm
-    start's (a sync that loaded wrong weights into vLLM would make them worthless: reward 0)."""
+    start's (a sync that loaded wrong weights into vLLM would make them worthless: reward 0). With LoRA, every
+    sync sends the adapters alone (--lora-sync adapter; that vLLM then samples the merged policy: the test below)."""
     pytest.importorskip("vllm")
+    if lora:
+        pytest.importorskip("peft")
     k, steps = 2, 40
     cmd = [sys.executable, os.path.join(HERE, "run_gsm8k.py"), "--preset", "tiny", "--backend", "vllm",
            "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run"), "--tiny-train-size", "400",
            "--tiny-eval-size", "100", "--tiny-num-ops", "2", "--tiny-max-start", "5", "--tiny-max-step", "5",
            "--tiny-sft-steps", "150", "--tiny-sft-batch", "32", "--eval-size", "100", "--eval-every", "0",
            "--initial-completions", "64", "--max-new-tokens", "24", "--steps", str(steps), "--sync-every", str(k),
-           "--lr", "1e-4", "--warmup-steps", "5", "--log-every", "5"]
+           "--lr", "1e-4", "--warmup-steps", "5", "--log-every", "5"] + (["--lora-rank", "8", "--lr", "1e-3"] if lora else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
@@ -220,3 +246,72 @@ def test_vllm_async_tiny_run_learns_and_searchers_get_new_versions(tmp_path):
     result = json.load(open(tmp_path / "run" / "result.json"))
     before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
     assert before >= 0.05 and after >= before - 0.1, f"held-out accuracy went from {before} to {after}"
+
+
+# -----------------------------------------------------------------------------
+# LoRA: a sync sends the adapters alone (--lora-sync adapter)
+
+def _adapters(model, rank=4, seed=0):
+    """Random LoRA adapters for q_proj, v_proj and gate_proj of every layer, under the names PEFT saves them with."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_proj", "v_proj", "gate_proj"):
+            out[f"base_model.model.{name}.lora_A.weight"] = 0.3 * torch.randn(rank, module.in_features, generator=g)
+            out[f"base_model.model.{name}.lora_B.weight"] = 0.3 * torch.randn(module.out_features, rank, generator=g)
+    return out
+
+
+def _merged(path, adapters, scale):
+    """The HF model at `path` with the adapters merged in: W + scale B A."""
+    from ops.models import load_model
+    model, _ = load_model(path)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            key = f"base_model.model.{name}.lora_A.weight"
+            if key in adapters:
+                module.weight += scale * adapters[key.replace("lora_A", "lora_B")] @ adapters[key]
+    return model
+
+
+def _adapter_searcher_in_child(path, versions, results):
+    from config import Config
+    from ops.models import load_model
+    from ops.vllm_backend import VLLMGenerator
+    hf, tokenizer = load_model(path)
+    cfg = Config(model=path, searcher_dtype="float32", max_new_tokens=MAX_NEW, prompts_per_search=4, samples_per_prompt=2,
+                 lora_rank=4, lora_alpha=8.0, backend="vllm", temperature=1.0)
+    generator = VLLMGenerator(cfg, hf, tokenizer, seed=0, device="cpu")
+    out = []
+    for adapters in versions:
+        generator.load_state_dict(adapters)
+        greedy = generator.generate(PROMPTS, 1, 1.0, greedy=True)
+        out.append((greedy, *generator.sample(PROMPTS[:2], 2, 1.0, 1.0)))
+    results.put((out, sorted(os.listdir(generator.snapshot_dir))))
+
+
+def test_vllm_lora_sync_sends_the_adapters_alone_and_samples_the_merged_policy(engine):
+    """Under --lora-sync adapter a vLLM searcher receives the adapters alone, loads each version as a new LoRA (two
+    kept), and then generates greedily what the merged HF model generates, with behaviour log-probs equal to that
+    model's forward (the tolerance of the test above)."""
+    from ops.models import load_model, score_logprobs
+    hf, _ = load_model(engine.path)
+    versions = [_adapters(hf, seed=s) for s in (1, 2, 3)]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_adapter_searcher_in_child, args=(engine.path, versions, results), daemon=True)
+    child.start()
+    try:
+        out, files = results.get(timeout=300)
+    except queue.Empty:
+        pytest.fail(f"the child sent nothing (exit code {child.exitcode}; traceback above)")
+    child.join(timeout=60)
+    assert files == ["adapter-2", "adapter-3"], "the newest two adapters are kept, older ones removed"
+    sent = sum(t.numel() for t in versions[0].values()) / sum(t.numel() for t in hf.state_dict().values())
+    assert sent < 0.05, f"a sync sends {sent:.1%} of the model"
+    for adapters, (greedy, responses, behaviour) in zip(versions, out):
+        merged = _merged(engine.path, adapters, scale=8.0 / 4)
+        assert greedy == _hf_greedy(merged, engine.tokenizer), "the merged policy's greedy completions"
+        prompts = [p for p in PROMPTS[:2] for _ in range(2)]
+        forward = score_logprobs(merged, prompts, responses, engine.tokenizer.pad_token_id, 1.0, 64, per_token=True)
+        assert max(abs(a - b) for x, y in zip(behaviour, forward) for a, b in zip(x, y)) < 1e-3
