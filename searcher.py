@@ -108,9 +108,8 @@ class Searchers:
 
     def spawn(self, rank):
         """(Re)start searcher `rank` with fresh queues (a process killed mid-write can leave its queue corrupt)."""
-        for q in (self.queues[rank], self.jobs[rank]):  # a restart: a job the dead searcher never read must not hold
-            if q is not None:  # the trainer's exit (multiprocessing joins a queue's sender thread at exit)
-                q.cancel_join_thread()
+        for q in filter(None, (self.queues[rank], self.jobs[rank])):  # a restart: a job the dead searcher never read
+            q.cancel_join_thread()  # must not hold the trainer's exit (multiprocessing joins a queue's sender thread)
         self.queues[rank] = self.ctx.Queue(maxsize=self.cfg.queue_size)  # its batches, to the trainer
         self.jobs[rank] = self.ctx.Queue(maxsize=1)  # its job, from the trainer
         self.procs[rank] = self.ctx.Process(
@@ -313,8 +312,7 @@ class PromptSampler:
 
     def __init__(self, num_prompts, rank, world, batch_size, seed):
         self.shard = list(range(rank, num_prompts, world)) or list(range(num_prompts))
-        self.batch_size = batch_size
-        self.rng, self.order, self.pos = random.Random(seed), [], 0
+        self.batch_size, self.rng, self.order, self.pos = batch_size, random.Random(seed), [], 0
 
     def __next__(self):
         if self.pos >= len(self.order):
@@ -327,7 +325,7 @@ class PromptSampler:
         return {"rng": self.rng.getstate(), "order": self.order, "pos": self.pos}  # (JSON: tuples become lists)
 
     def load_state_dict(self, state):
-        set_rng_state(self.rng, state["rng"])
+        self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))  # (JSON made its tuples lists)
         self.order, self.pos = state["order"], state["pos"]
 
 
@@ -396,11 +394,7 @@ class SyncSearch:
 
     def load_state_dict(self, state):
         self.prompts.load_state_dict(state["prompts"])
-        set_rng_state(self.searcher.rng, state["searcher_rng"])
+        rng = state["searcher_rng"]
+        self.searcher.rng.setstate((rng[0], tuple(rng[1]), rng[2]))  # (JSON made its tuples lists)
 
     publish_ref = pause = check_alive = close = lambda self, *args: None  # (nothing to send, hold, check or stop)
-
-
-def set_rng_state(rng, state):
-    """random.Random.setstate from getstate()'s (version, internal state, gauss) as JSON read it back (lists)."""
-    rng.setstate((state[0], tuple(state[1]), state[2]))
