@@ -106,7 +106,7 @@ def run(name, steps, gpu):
 def summarise(name, params, rows, cfg, model, seconds):
     """A table row from a run's step records and resolved config."""
     import torch
-    from ops.memory import GIB, plan
+    from ops.memory import plan
     from tasks.dataset import DatasetConfig
     steady = rows[len(rows) // 3:]  # (the first steps warm up)
     step_s = statistics.median(r["time/train"] for r in steady)

@@ -117,7 +117,7 @@ def main():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         added, held = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {name} | {added:,.0f} | {held:,.0f} |")
-    print(f"\nthe memory plan's estimate of a step (ops/memory.py) against the same measurement, vocabulary 32,000\n")
+    print("\nthe memory plan's estimate of a step (ops/memory.py) against the same measurement, vocabulary 32,000\n")
     print("| model | measured (MiB) | estimate (MiB) | estimate / measured |")
     print("|---|---|---|---|")
     for name, got, guess in plan_check():

@@ -176,7 +176,6 @@ def test_bench_gpu_weights_times_a_publish_and_a_pull_in_each_dtype():
     """python -m bench.gpu --weights: the trainer publishes and a spawned searcher pulls each version (a small
     Llama here, RhoMath-1B's shape there): after every pull the searcher holds exactly the version published, and
     each side's median is a time."""
-    import torch
     from bench.gpu import weights_trip
     for dtype in (torch.float32, torch.bfloat16):
         publish, pull, right = weights_trip(dtype, repeats=3, num_hidden_layers=1, hidden_size=64, intermediate_size=128,

@@ -172,18 +172,24 @@ def _generate_in_child(path, results):
     results.put((generator.generate(PROMPTS, 1, 1.0, greedy=True), len(psutil.Process().children(recursive=True))))
 
 
-def test_vllm_engine_runs_in_process_inside_a_daemonic_spawned_searcher(engine):
-    from ops.models import load_model
+def _generate_in_a_daemonic_child(path):
+    """(greedy tokens, the child's own children) of a VLLMGenerator in a daemonic spawned process, as a searcher's."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=_generate_in_child, args=(engine.path, results), daemon=True)
+    child = ctx.Process(target=_generate_in_child, args=(path, results), daemon=True)
     child.start()
     try:
-        tokens, grandchildren = results.get(timeout=240)
+        out = results.get(timeout=240)
     except queue.Empty:
         pytest.fail(f"the daemonic child sent nothing (exit code {child.exitcode}; traceback above)")
     child.join(timeout=60)
     assert child.exitcode == 0, f"the daemonic child exited with {child.exitcode}"
+    return out
+
+
+def test_vllm_engine_runs_in_process_inside_a_daemonic_spawned_searcher(engine):
+    from ops.models import load_model
+    tokens, grandchildren = _generate_in_a_daemonic_child(engine.path)
     assert grandchildren == 0, "vLLM started engine processes: a daemonic searcher may not have children"
     assert tokens == _hf_greedy(load_model(engine.path)[0], engine.tokenizer), "model A, as saved, greedy"
 
@@ -198,15 +204,7 @@ def test_vllm_serves_a_final_dir_saved_in_bfloat16(engine, tmp_path):
     save_model(engine.hf, final, torch.bfloat16)
     engine.tokenizer.save_pretrained(final)
     assert json.load(open(os.path.join(final, "config.json")))["dtype"] == "bfloat16"
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_generate_in_child, args=(final, results), daemon=True)
-    child.start()
-    try:
-        tokens, _ = results.get(timeout=240)
-    except queue.Empty:
-        pytest.fail(f"the child sent nothing (exit code {child.exitcode}; traceback above)")
-    child.join(timeout=60)
+    tokens, _ = _generate_in_a_daemonic_child(final)
     assert tokens == _hf_greedy(load_model(final)[0], engine.tokenizer), "final/, as saved, greedy"
 
 
