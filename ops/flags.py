@@ -116,6 +116,8 @@ def expand(config_cls, argv):
     """argv with --config FILE's settings put first and TRL's names turned into this project's flags; raises
     ConfigError (one line) for a TRL name or value with no meaning here and for an unknown flag."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    hints = typing.get_type_hints(config_cls)
+    bools = {name for name in fields if hints[name] is bool}
     argv, settings = take_config(list(argv))
     batch = {k: settings.pop(k) for k in TRL_BATCH if k in settings}  # (TRL's batch: two names, one field)
     out, i = tokens(fields, settings), 0
@@ -132,10 +134,12 @@ def expand(config_cls, argv):
             batch[key] = values[0] if values else ""
         elif key in TRL and key not in fields:
             out += tokens(fields, translate(key, values))
+        elif key in bools and values:  # a bool with a value, as TRL writes it: --gradient_checkpointing true
+            out += tokens(fields, translate(key, values, lambda v: {key: _bool(v)})) + values[1:]
         else:  # a field, or --no-<field>: its flag, in whichever spelling (--warmup_steps is --warmup-steps)
-            out += ["--" + key.replace("_", "-"), *values]
+            out += [flag(key), *values]
     out += tokens(fields, translate_batch(batch)) if batch else []
-    check_known(config_cls, fields, out)
+    check_known(fields, bools, out)
     return out
 
 
@@ -159,11 +163,11 @@ def _values(argv, start):
     return argv[start:end]
 
 
-def translate(key, values):
-    """{field: value} for TRL's `key` given `values` (a bool given alone is true)."""
+def translate(key, values, convert=None):
+    """{field: value} for TRL's `key` given `values` (a bool given alone is true); `convert`: TRL's own by default."""
     value = values if key == "report_to" and len(values) > 1 else values[0] if values else True
     try:
-        return TRL[key][1](value)
+        return (convert or TRL[key][1])(value)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--{key} {' '.join(map(str, values))}: {e}") from None
 
@@ -216,10 +220,9 @@ def tokens(fields, settings):
     return out
 
 
-def check_known(config_cls, fields, argv):
+def check_known(fields, bools, argv):
     """Every --flag is one of this project's (or --preset, --help); else ConfigError with the nearest known name."""
-    known = {flag(n) for n in fields} | {"--no-" + n.replace("_", "-") for n, f in fields.items()
-                                         if typing.get_type_hints(config_cls)[n] is bool} | {"--preset", "--help"}
+    known = {flag(n) for n in fields} | {"--no-" + n.replace("_", "-") for n in bools} | {"--preset", "--help"}
     for token in argv:
         name = token.partition("=")[0]
         if token.startswith("--") and name not in known:

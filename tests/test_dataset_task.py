@@ -399,6 +399,10 @@ def test_trl_names_with_no_meaning_here_and_unknown_flags_are_one_line():
             expand(DatasetConfig, argv)
     assert expand(DatasetConfig, ["--top_k", "0", "--bf16", "--use_vllm", "--warmup_steps", "3"]) == \
            ["--trainer-dtype", "bf16-mixed", "--backend", "vllm", "--warmup-steps", "3"]
+    assert expand(DatasetConfig, ["--gradient_checkpointing", "true", "--share_prompt", "false", "--sync"]) == \
+           ["--gradient-checkpointing", "--no-share-prompt", "--sync"], "a bool with a value, as TRL writes it"
+    with pytest.raises(ConfigError, match=re.escape("--share_prompt maybe: 'maybe' is not true or false")):
+        expand(DatasetConfig, ["--share_prompt", "maybe"])
     trl = pytest.importorskip("trl")
     import dataclasses
     names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
