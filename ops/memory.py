@@ -268,12 +268,12 @@ def shared_memory_bytes(cfg, params=None):
         return 0
     host = any(shared_device(cfg, d) == "cpu" for d in cfg.searcher_devices)
     snapshots = cfg.num_searchers if cfg.backend == "vllm" else 0  # (at once, in the worst case)
-    if (host or snapshots) and params is None and cfg.model:
-        shape = None if os.path.isdir(cfg.model) else shape_of(cfg.model)
-        params = local_params(cfg.model) if os.path.isdir(cfg.model) else shape.params if shape else None
-    sent = params  # what a publish copies there: the policy, or with --lora-sync adapter its adapters alone
-    if adapter_sync(cfg) and cfg.model and shape_of(cfg.model):
-        sent = lora_params(cfg, shape_of(cfg.model))
+    needed = (host or snapshots) and cfg.model
+    from_dir = params is None and os.path.isdir(cfg.model)  # (a local model's count: its safetensors headers)
+    shape = shape_of(cfg.model) if needed and (adapter_sync(cfg) or params is None and not from_dir) else None
+    if needed and params is None:
+        params = local_params(cfg.model) if from_dir else shape.params if shape else None
+    sent = lora_params(cfg, shape) if adapter_sync(cfg) and shape else params  # (what a publish copies there)
     ref = ("ref_logp" in cfg.needs) * host
     return SHM_FLOOR + BYTES[cfg.searcher_dtype] * ((sent or 0) * (host + snapshots) + (params or 0) * ref)
 
