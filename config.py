@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 LAUNCHED = time.time()  # when the run script started: it imports this module first
 
+TB_CORRECTIONS = ("none", "trust-region", "clamp", "tis")  # --tb-correction's choices (loss.tb_corrected_loss)
 # objective -> the log-probs it reads besides log pi (searchers compute only these). TB is loss.py's; the
 # others are the comparison baselines of baselines.py.
 # (Every trajectory carries its sequence behaviour log-prob, for the off-policy metrics; per token only if read.)
@@ -117,12 +118,13 @@ class Config:
     weight_decay: float = trainer_(0.0, "AdamW weight decay")
     grad_clip: float = trainer_(0.0, "gradient-norm clipping threshold (0: no clipping, as in the official code)")
     clip_eps: float = trainer_(0.2, "importance ratios are clipped to [1 - eps, 1 + eps] (RLOO, GRPO, "
-                                    "--tb-trust-region); also the band of the off-policy metrics")
+                                    "--tb-correction trust-region and clamp); also the band of the off-policy metrics")
     ratio_clip: bool = trainer_(True, "clip the importance ratios of RLOO and GRPO (--no-ratio-clip: plain "
                                       "importance weighting, an ablation)")
-    tb_trust_region: bool = trainer_(False, "TB with a trust region, our departure (loss.py): a response's residual "
-                                            "is masked once its ratio pi/mu has left [1 - eps, 1 + eps] the way "
-                                            "the residual pushes it")
+    tb_correction: str = trainer_("none", "TB's correction for stale samples, our departure (loss.py): none (Eq. 4) "
+                                          "| trust-region | clamp | tis, a weight on each squared residual from its "
+                                          "ratio pi/mu")
+    tis_cap: float = trainer_(2.0, "--tb-correction tis: the cap C of the truncated importance ratio min(pi/mu, C)")
     # evaluation and logging
     eval_every: int = eval_(100, "evaluate the policy every this many steps (0: at the start and the end only); "
                                  "the searchers wait meanwhile")
@@ -188,8 +190,8 @@ class Config:
 
     @property
     def needs(self):
-        """The log-probs the objective reads besides log pi (of OBJECTIVES' names; --tb-trust-region adds mu's)."""
-        return OBJECTIVES[self.objective] + (("behavior_logp",) if self.tb_trust_region else ())
+        """The log-probs the objective reads besides log pi (of OBJECTIVES' names; --tb-correction adds mu's)."""
+        return OBJECTIVES[self.objective] + (("behavior_logp",) if self.tb_correction != "none" else ())
 
     @property
     def prompts_per_step(self):
@@ -272,7 +274,9 @@ def validate(cfg):
     check(0.0 <= cfg.lr_floor <= 1.0, "lr_floor", "must be in [0, 1]")
     check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
     check(cfg.objective == "tb" or cfg.responses_per_prompt >= 2, "responses_per_prompt", f"must be >= 2 for {cfg.objective}")
-    check(not cfg.tb_trust_region or cfg.objective == "tb", "tb_trust_region", f"is a TB variant, not {cfg.objective}'s")
+    check(cfg.tb_correction in TB_CORRECTIONS, "tb_correction", f"must be one of {', '.join(TB_CORRECTIONS)}")
+    check(cfg.tb_correction == "none" or cfg.objective == "tb", "tb_correction", f"is TB's, not {cfg.objective}'s")
+    check(cfg.tis_cap >= 1, "tis_cap", "must be >= 1")
     check(math.isfinite(cfg.clip_eps) and 0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
     check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")
     check(cfg.report_to in ("none", "tensorboard", "wandb"), "report_to", "must be none, tensorboard or wandb")

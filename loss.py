@@ -31,8 +31,9 @@ Departures from the paper / official code:
   3. As in the official code, logits are divided by the sampling temperature before the log-softmax for
      both the policy and the reference (`temperature` argument, default = the sampling temperature
      chosen by the caller). Set it to 1.0 to score under the raw model instead.
-  4. `tb_trust_region_loss` (--tb-trust-region) is ours: TB with PPO's clip, a diagnostic of whether TB
-     trails the clipped baselines off-policy for want of a trust region (docs/results.md).
+  4. `tb_corrected_loss` (--tb-correction) is ours: TB's squared residuals weighted by a correction for
+     stale samples (a trust region, a clamped or a truncated importance ratio), plain TB on-policy; which one
+     the tiny presets use, and why, is docs/results.md's staleness grid.
 
 The comparison objectives (RLOO, GRPO, Dr. GRPO, Online DPO) live in baselines.py. This file imports nothing
 from the project: copy it alone.
@@ -63,19 +64,39 @@ def tb_log_Z(logp, ref_logp, reward, beta):
     return (reward / beta - (logp - ref_logp)).mean(dim=1).detach()
 
 
-def tb_trust_region_loss(logp, ref_logp, reward, beta, behavior_logp, eps):
+def tb_corrected_loss(logp, ref_logp, reward, beta, behavior_logp, correction, eps=0.2, cap=2.0):
     """
-    Departure 4 (ours, not the paper's): the VarGrad TB loss with a trust region around the behaviour policy
-    mu that sampled each response. dL/dlogp_k = 2 delta_k / (Q K) with the residual delta_k = log_Z + kl_k -
-    r_k / beta, so a descent step moves logp_k against delta_k's sign; once the ratio pi/mu has left
-    [1 - eps, 1 + eps] in that direction, the response's residual is masked (PPO's clip, for TB).
-    Returns (loss, fraction of responses masked). (Q, K) inputs; behavior_logp = log mu(y_k|x).
+    Departure 4 (ours, not the paper's): the VarGrad TB loss for responses sampled by a stale behaviour policy mu,
+    each squared residual times one correction term c_k (detached), a function of the ratio rho_k = pi(y_k|x) /
+    mu(y_k|x) of sequence probabilities:
+
+        L = mean_{x,k} [ c_k * delta_k^2 ],   delta_k = log_Z(x) + logp_k - ref_logp_k - r_k / beta   (log_Z: Eq. 5)
+
+        trust-region  c_k = 0 once rho_k has left [1 - eps, 1 + eps] the way a descent step on delta_k^2
+                      pushes it (PPO's clip, for TB), else 1
+        clamp         c_k = clamp(rho_k, 1 - eps, 1 + eps)   (the clamped ratio of CISPO and FlowRL, as the
+                      authors' PRIME-RL port of TB)
+        tis           c_k = min(rho_k, cap)                  (truncated importance sampling, as verl and slime)
+        none          c_k = 1                                (Eq. 4: plain TB)
+
+    On-policy (rho = 1) every c_k is 1 and the loss is Eq. 4's. Returns (loss, fraction of responses whose c_k
+    the bound set: masked, clamped or truncated). (Q, K) inputs; behavior_logp = log mu(y_k|x).
     """
     log_Z = tb_log_Z(logp, ref_logp, reward, beta).unsqueeze(1)  # (Q, 1) over all K, detached, as Eq. 5
     delta = log_Z + logp - ref_logp - reward / beta  # (Q, K)
-    log_ratio = (logp - behavior_logp).detach()
-    masked = ((delta > 0) & (log_ratio < math.log(1 - eps))) | ((delta < 0) & (log_ratio > math.log(1 + eps)))
-    return (delta.pow(2) * (~masked)).mean(), masked.float().mean().item()
+    log_rho = (logp - behavior_logp).detach()
+    rho, low, high = log_rho.exp(), log_rho < math.log(1 - eps), log_rho > math.log(1 + eps)
+    if correction == "trust-region":
+        bound = ((delta > 0) & low) | ((delta < 0) & high)
+        c = (~bound).float()
+    elif correction == "clamp":
+        bound, c = low | high, rho.clamp(1 - eps, 1 + eps)
+    elif correction == "tis":
+        bound, c = rho > cap, rho.clamp(max=cap)
+    else:
+        assert correction == "none", f"unknown TB correction {correction!r}"
+        bound, c = torch.zeros_like(delta, dtype=torch.bool), torch.ones_like(delta)
+    return (c * delta.pow(2)).mean(), bound.float().mean().item()
 
 
 # -----------------------------------------------------------------------------

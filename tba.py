@@ -155,10 +155,10 @@ def train_step(run, groups, step):
         chunk = groups[i:i + cfg.micro_batch_prompts]
         token_logp = policy_logprobs(run, chunk)  # (n K, R) log pi per response token, with grad (n prompts)
         logp = token_logp.sum(dim=1).view(len(chunk), -1)  # (n, K) log pi(y|x)
-        if cfg.objective == "tb" and not cfg.tb_trust_region:  # the VarGrad TB loss, Eq. 4-5 (loss.py)
+        if cfg.objective == "tb" and cfg.tb_correction == "none":  # the VarGrad TB loss, Eq. 4-5 (loss.py)
             loss, clip = vargrad_tb_loss(logp, per_response(chunk, "ref_logp", logp.device),
                                          per_response(chunk, "reward", logp.device), beta), math.nan
-        else:  # the objective --objective or --tb-trust-region chose (baselines.py)
+        else:  # the objective --objective or --tb-correction chose (baselines.py)
             loss, clip = baseline_loss(cfg, chunk, token_logp, beta)
         (loss * len(chunk) / Q).backward()
         loss_sum, clip_sum = loss_sum + loss.item() * len(chunk) / Q, clip_sum + clip * len(chunk) / Q

@@ -16,7 +16,7 @@ Run: python -m bench --sections ablations --ablations preset,trust-region --abla
 
 import os
 
-from bench.protocol import cell, diagnostics, finished, fmt, interval, pyplot, table
+from bench.protocol import cell, diagnostics, finished, fmt, interval, objective_flags, pyplot, table
 
 
 # an ablation: its flags, and the objectives it applies to (None: all); each departs from the tiny preset
@@ -32,8 +32,8 @@ ABLATIONS = {
     "beta-0.3": (["--beta-start", "0.3", "--beta-end", "0.3"], ("tb", "rloo")),
     "no-dedup": (["--no-dedup"], None),
     "no-ratio-clip": (["--no-ratio-clip"], ("rloo", "grpo")),
-    "trust-region": (["--tb-trust-region"], ("tb",)),
-    "trust-region-no-grad-clip": (["--tb-trust-region", "--grad-clip", "0"], ("tb",)),
+    "trust-region": (["--tb-correction", "trust-region"], ("tb",)),
+    "trust-region-no-grad-clip": (["--tb-correction", "trust-region", "--grad-clip", "0"], ("tb",)),
 }
 ABLATION_COLUMNS = ["drift", "drift p90", "ratio out", "clip frac", "grad norm", "grad clipped", "kl"]
 
@@ -67,7 +67,7 @@ def ablations(cfg):
         for k in ks:
             for o in objectives:
                 name = f"stale-{o}-k{k}" if variant == "preset" else f"abl-{variant}-{o}-k{k}"
-                run_flags = ["--objective", o, "--sync-every", str(k), *flags]
+                run_flags = [*objective_flags(o), "--sync-every", str(k), *flags]
                 if (applies is None or o in applies) and (not cfg.made_only or made(cfg, name, run_flags)):
                     cells[variant, o, k] = cell(cfg, "run_gsm8k.py", name, run_flags)
     rows = [{"variant": v, "objective": o, "k": k, "score (%)": fmt([r["score"] for r in rs], 100),

@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass
 
 from bench.diagnosis import ablation_runs, ablations, frontier, load
-from bench.protocol import DIAGNOSTICS, REUSED, _mean, cell, diagnostics, fmt, pyplot, table, write_runs
+from bench.protocol import DIAGNOSTICS, REUSED, _mean, cell, diagnostics, fmt, objective_flags, pyplot, table, write_runs
 from config import build_parser, knob
 
 
@@ -77,8 +77,8 @@ class BenchConfig:
     eval_every: int = knob(25, "evaluate every this many steps (the score is the mean of the last 3 evaluations)")
     speed_eval_every: int = knob(10, "evaluation period of the speed runs (time to target is read at evaluations)")
     stale_k: str = knob("1,2,4,8,16", "staleness section: the sync periods k (comma list; --quick: 2,16)")
-    stale_objectives: str = knob("tb,rloo,grpo", "staleness section: the objectives (comma list; --quick: tb,grpo), or "
-                                                 "tb-trust-region (TB with --tb-trust-region)")
+    stale_objectives: str = knob("tb,rloo,grpo", "staleness section: the objectives (comma list; --quick: tb,grpo): tb is "
+                                                 "plain TB; tb-trust-region, tb-clamp, tb-tis are TB with that --tb-correction")
     ablations: str = knob("preset,no-grad-clip,trust-region,init-1024", "ablations section: the variants (comma list of ABLATIONS' "
                                                       "names, run in this order; name@4: at k = 4 only)")
     ablation_k: str = knob("16", "ablations section: the sync periods k (comma list)")
@@ -130,12 +130,9 @@ def stale_grid(cfg):
 # a diagnostic column of the tables: (its key in a run's summary row, digits shown)
 
 
-STALE_VARIANTS = {"tb-trust-region": ["--objective", "tb", "--tb-trust-region"]}  # (a TB variant as a column)
-
-
 def staleness(cfg):
     ks, objectives = stale_grid(cfg)
-    cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", [*STALE_VARIANTS.get(o, ["--objective", o]),
+    cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", [*objective_flags(o),
                                                                      "--sync-every", str(k)])
              for o in objectives for k in ks}
     scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks}} for o in objectives]

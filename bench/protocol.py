@@ -54,6 +54,15 @@ def read_run(run_dir):
         return records, "eval/" + json.load(f)["headline"]
 
 
+TB_VARIANTS = {"tb": ["--objective", "tb", "--tb-correction", "none"],  # plain TB, whatever the preset's default
+               **{f"tb-{c}": ["--objective", "tb", "--tb-correction", c] for c in ("trust-region", "clamp", "tis")}}
+
+
+def objective_flags(objective):
+    """A grid's objective column as run_gsm8k.py's flags: rloo, grpo, ..., or tb (plain) and tb-<correction>."""
+    return TB_VARIANTS.get(objective, ["--objective", objective])
+
+
 REUSED = []  # names of the runs that --reuse took from earlier invocations
 
 

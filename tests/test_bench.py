@@ -78,9 +78,9 @@ def test_bench_ablation_and_frontier_sections_tabulate(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run", fake_run)
     assert diagnosis.ablation_runs(cfg) == 7, "preset and no-grad-clip for both, trust region for TB (also at k = 4), no ratio clip for GRPO"
     cells, text = diagnosis.ablations(cfg)
-    assert len(made) == 14 and "| trust-region | tb | 4 |" in text and ("run_gsm8k.py", "stale-tb-k16-seed0", ["--objective", "tb", "--sync-every", "16"]) in made
-    assert ("run_gsm8k.py", "abl-trust-region-tb-k16-seed1", ["--objective", "tb", "--sync-every", "16",
-                                                             "--tb-trust-region"]) in made
+    assert len(made) == 14 and "| trust-region | tb | 4 |" in text and ("run_gsm8k.py", "stale-tb-k16-seed0", ["--objective", "tb", "--tb-correction", "none", "--sync-every", "16"]) in made
+    assert ("run_gsm8k.py", "abl-trust-region-tb-k16-seed1", ["--objective", "tb", "--tb-correction", "none", "--sync-every",
+                                                             "16", "--tb-correction", "trust-region"]) in made
     assert "| trust-region | tb | 16 | 73.3 ± 0.0 | 0.150 ± 0.635 |" in text and "| n/a |" in text, "NaN steps left out"
     cells, text = diagnosis.frontier(cfg)
     assert len(cells) == 6 and "| online_dpo | schedule |" in text and (tmp_path / "frontier_kl.png").exists() == bench_plots()
