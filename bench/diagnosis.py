@@ -16,7 +16,7 @@ Run: python -m bench --sections ablations --ablations preset,trust-region --abla
 
 import os
 
-from bench.protocol import cell, diagnostics, finished, fmt, interval, objective_flags, pyplot, table
+from bench.protocol import cell, diagnostics, finished, fmt, interval, objective_flags, pyplot, seeds, table
 
 
 # an ablation: its flags, and the objectives it applies to (None: all); each departs from the tiny preset
@@ -41,7 +41,7 @@ ABLATION_COLUMNS = ["drift", "drift p90", "ratio out", "clip frac", "grad norm",
 def made(cfg, name, flags):
     """Whether every seed's run of a cell was finished by an earlier invocation (--made-only)."""
     return all(finished(cfg, os.path.join(cfg.out, "runs", f"{name}-seed{s}"), f"{name}-seed{s}", flags) is not None
-               for s in range(cfg.seeds))
+               for s in seeds(cfg))
 
 
 def ablation_list(cfg):

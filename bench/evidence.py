@@ -72,6 +72,7 @@ class BenchConfig:
     out: str = knob("results", "directory for the tables, plots, runs.csv and the runs themselves")
     quick: bool = knob(False, "a CI-sized check: 2 seeds, 60-step schedules, fewer cells (under 20 minutes)")
     seeds: int = knob(4, "seeds per cell")
+    first_seed: int = knob(0, "the first seed of every cell (seeds --first-seed .. + --seeds - 1)")
     sections: str = knob("speed,staleness,buffer,tba_prime,tldr,ablations,frontier", "which experiments to run (comma list)")
     target: float = knob(0.7, "headline score for the time-to-target comparison (GSM8K accuracy)")
     eval_every: int = knob(25, "evaluate every this many steps (the score is the mean of the last 3 evaluations)")
@@ -132,13 +133,43 @@ def stale_grid(cfg):
 
 def staleness(cfg):
     ks, objectives = stale_grid(cfg)
-    cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", [*objective_flags(o),
-                                                                     "--sync-every", str(k)])
+    cells = {(o, k): cell(cfg, "run_gsm8k.py", f"stale-{o}-k{k}", [*objective_flags(o), "--sync-every", str(k)])
              for o in objectives for k in ks}
-    scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks}} for o in objectives]
+    scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks},
+               "lowest k's mean": f"{100 * min(_mean([r['score'] for r in cells[o, k]]) for k in ks):.1f}"} for o in objectives]
+    seeds_pct = lambda rs, key: " / ".join(f"{100 * r[key]:.0f}" for r in rs)
+    lows = [{"objective": o, **{f"k={k}": seeds_pct(cells[o, k], "low_from_100") for k in ks}} for o in objectives]
+    finals = [{"objective": o, **{f"k={k}": seeds_pct(cells[o, k], "final") for k in ks}} for o in objectives]
     diag = [{"objective": o, "k": k, **diagnostics(rs, DIAGNOSTICS)} for (o, k), rs in cells.items()]
+    plot_staleness(cells, ks, objectives, os.path.join(cfg.out, "staleness_curves.png"))
     return ({f"{o} k={k}": rs for (o, k), rs in cells.items()},
-            "score (%), by objective and sync period k\n\n" + table(scores) + "\n\ndiagnostics, mean over each run's steps\n\n" + table(diag))
+            "score (%), by objective and sync period k (mean of the last 3 evaluations; mean and 95% interval over "
+            "seeds), and the lowest k's mean\n\n" + table(scores) +
+            "\n\nthe lowest held-out evaluation from step 100 on (%), each seed's\n\n" + table(lows) +
+            "\n\nthe final held-out evaluation (%), each seed's\n\n" + table(finals) +
+            "\n\ndiagnostics, mean over each run's steps\n\n" + table(diag))
+
+
+def plot_staleness(cells, ks, objectives, path):
+    """Held-out score over steps, a panel per sync period k: each objective's seeds (thin) and their mean (bold)."""
+    plt = pyplot(path)
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(ks), figsize=(3.2 * len(ks), 3.4), sharey=True, squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        for i, o in enumerate(objectives):
+            color, rows = plt.get_cmap("tab10")(i), cells[o, k]
+            for r in rows:
+                ax.plot(*zip(*r["curve"]), color=color, alpha=0.25, linewidth=0.8)
+            steps = [s for s, _ in rows[0]["curve"]]
+            ax.plot(steps, [_mean([dict(r["curve"]).get(s, math.nan) for r in rows]) for s in steps], color=color,
+                    linewidth=2, label=o)
+        ax.set(title=f"k = {k}", xlabel="trainer step")
+    axes[0][0].set_ylabel("held-out accuracy")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def buffer(cfg):

@@ -111,6 +111,7 @@ def summarise(records, headline, target):
             "grad_clipped": mean("grad/clipped"), "loss_max": max(r["loss/train"] for r in steps),
             "wait_s": round(sum(r.get("time/wait", 0.0) for r in steps), 1),  # the trainer's waits for fresh data
             "empty_syncs": sum(r.get("buffer/new_round") is False for r in steps),  # merges that formed no round
+            "low_from_100": min((r[headline] for r in evals if r["step"] >= 100), default=math.nan),  # mid-run dips
             "curve": [(r["step"], r[headline]) for r in evals],
             "curve_s": [(r["time/eval_since_launch"], r[headline]) for r in evals]}
 
@@ -145,8 +146,13 @@ def fmt(values, scale=1.0, digits=1):
 
 
 def cell(cfg, script, name, flags, eval_every=None, load=False):
-    """The runs of one configuration over cfg.seeds seeds."""
-    return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every, load) for s in range(cfg.seeds)]
+    """The runs of one configuration over cfg.seeds seeds, from --first-seed on."""
+    return [run(cfg, script, f"{name}-seed{s}", flags, s, eval_every, load) for s in seeds(cfg)]
+
+
+def seeds(cfg):
+    """The seeds of every cell: --seeds of them from --first-seed on (0-1 to tune a setting, 2-5 to report it)."""
+    return range(cfg.first_seed, cfg.first_seed + cfg.seeds)
 
 
 WARM = set()  # (script, seed) pairs whose warm start is known to be cached
@@ -157,7 +163,7 @@ def warm_up(cfg, script):
     """Build (or find) each seed's cached warm start with a 1-step run, so that no measured run includes it:
     a run's seconds from launch then mean the same thing whichever run of a seed comes first."""
     script = WARM_START_OF.get(script, script)
-    for seed in range(cfg.seeds):
+    for seed in seeds(cfg):
         if (script, seed) not in WARM:
             cmd = [sys.executable, os.path.join(HERE, script), "--preset", "tiny", "--steps", "1", "--overwrite",
                    "--run-dir", os.path.join(cfg.out, "runs", f"warm-up-{script[:-3]}-seed{seed}"),

@@ -86,6 +86,28 @@ def test_bench_ablation_and_frontier_sections_tabulate(tmp_path, monkeypatch):
     assert len(cells) == 6 and "| online_dpo | schedule |" in text and (tmp_path / "frontier_kl.png").exists() == bench_plots()
 
 
+def test_bench_staleness_tabulates_each_seeds_lowest_evaluation_from_step_100_and_runs_the_chosen_seeds(tmp_path, monkeypatch):
+    from bench import evidence, protocol as bench
+    cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2, first_seed=2, stale_k="1,8", stale_objectives="tb,tb-clamp,grpo")
+    made = []
+
+    def fake_run(cfg, script, name, flags, seed, eval_every=None, load=False):
+        made.append((name, flags, seed))
+        dip = 0.5 if "tb" in flags and "none" in flags and "8" in flags else 0.85  # plain TB dips at k = 8
+        records = [*BENCH_RECORDS[:4], *({"step": s, "eval/accuracy": a, "time/eval_since_launch": 20.0 + s}
+                                         for s, a in ((50, 0.4), (100, dip + 0.01 * seed), (150, 0.88), (200, 0.9)))]
+        return {**bench.summarise(records, "eval/accuracy", 0.7), "name": name, "seed": seed}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    cells, text = evidence.staleness(cfg)
+    assert [seed for *_, seed in made] == [2, 3] * 6, "seeds --first-seed .. + --seeds - 1"
+    assert ("stale-tb-clamp-k8-seed3", ["--objective", "tb", "--tb-correction", "clamp", "--sync-every", "8"], 3) in made
+    assert ("stale-tb-k8-seed2", ["--objective", "tb", "--tb-correction", "none", "--sync-every", "8"], 2) in made
+    lows = text.split("from step 100 on (%), each seed's")[1].split("the final")[0]
+    assert "| tb | 87 / 88 | 52 / 53 |" in lows and "| grpo | 87 / 88 | 87 / 88 |" in lows, "step 50's 40% is before step 100"
+    assert "| tb | 90 / 90 | 90 / 90 |" in text.split("the final held-out evaluation")[1], "each seed's final evaluation"
+
+
 def bench_plots():
     import importlib.util
     return importlib.util.find_spec("matplotlib") is not None
