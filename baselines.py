@@ -14,8 +14,8 @@ The BASELINES TBA is compared against, run in the same system so that a comparis
                  fresh batch with its own weights, then trains on exactly that batch (searcher.SyncSearch). Same
                  loss, batch and model as the asynchronous run, so it measures what asynchrony buys.
 
-The trainer (tba.train_step) calls the TB loss itself and hands over to `baseline_loss` in one line (so does
---tb-correction, our TB variants, which loss.py defines).
+The trainer (tba.train_step) calls the TB loss itself (with --tb-correction's weight, loss.py) and hands over to
+`baseline_loss` in one line.
 
 Run: python run_gsm8k.py --objective rloo     (or --sync; python -m bench compares them)
 """
@@ -24,8 +24,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from loss import tb_corrected_loss
 
 
 # -----------------------------------------------------------------------------
@@ -127,7 +125,7 @@ def online_dpo_loss(logp, ref_logp, reward, beta):
 # The hand-over from the trainer
 
 def baseline_loss(cfg, groups, token_logp, beta):
-    """The loss of comparison objective cfg.objective (or of TB with --tb-correction) on n groups of K
+    """The loss of comparison objective cfg.objective on n groups of K
     trajectories (a micro-batch of n prompts), token_logp being the policy's log-probs of their response tokens
     (n K, R) with grad, and the fraction of its ratios clipped (NaN for an objective without ratios). Behaviour
     log-probs come from the searchers (on-policy under --sync: the ratios are 1). --clip-eps sets eps;
@@ -140,9 +138,6 @@ def baseline_loss(cfg, groups, token_logp, beta):
     token_logp = token_logp.view(n, K, R)
     logp, mask = token_logp.sum(dim=2), padded([[1.0] * len(t.response_ids) for t in flat])  # (n, K), (n, K, R)
     ref_logp, reward = grid([t.ref_logp for t in flat]), grid([t.reward for t in flat])
-    if cfg.objective == "tb":  # --tb-correction: TB corrected for stale samples (loss.py)
-        return tb_corrected_loss(logp, ref_logp, reward, beta, grid([t.behavior_logp for t in flat]), cfg.tb_correction,
-                                 cfg.clip_eps, cfg.tis_cap)
     if cfg.objective == "online_dpo":
         return online_dpo_loss(logp, ref_logp, reward, beta), math.nan
     if cfg.sync:  # the policy that sampled the batch is the current one

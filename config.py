@@ -121,9 +121,9 @@ class Config:
                                     "--tb-correction trust-region and clamp); also the band of the off-policy metrics")
     ratio_clip: bool = trainer_(True, "clip the importance ratios of RLOO and GRPO (--no-ratio-clip: plain "
                                       "importance weighting, an ablation)")
-    tb_correction: str = trainer_("none", "TB's correction for stale samples, our departure (loss.py): none (Eq. 4) "
-                                          "| trust-region | clamp | tis, a weight on each squared residual from its "
-                                          "ratio pi/mu")
+    tb_correction: str = trainer_("none", "TB's correction for stale samples, our departure (loss.py): none (Eq. 4, "
+                                          "the paper's) | trust-region (the tiny presets') | clamp | tis: a weight on "
+                                          "each squared residual from its ratio pi/mu (TB only)")
     tis_cap: float = trainer_(2.0, "--tb-correction tis: the cap C of the truncated importance ratio min(pi/mu, C)")
     # evaluation and logging
     eval_every: int = eval_(100, "evaluate the policy every this many steps (0: at the start and the end only); "
@@ -191,7 +191,8 @@ class Config:
     @property
     def needs(self):
         """The log-probs the objective reads besides log pi (of OBJECTIVES' names; --tb-correction adds mu's)."""
-        return OBJECTIVES[self.objective] + (("behavior_logp",) if self.tb_correction != "none" else ())
+        corrected = self.objective == "tb" and self.tb_correction != "none"
+        return OBJECTIVES[self.objective] + (("behavior_logp",) if corrected else ())
 
     @property
     def prompts_per_step(self):
@@ -275,7 +276,6 @@ def validate(cfg):
     check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
     check(cfg.objective == "tb" or cfg.responses_per_prompt >= 2, "responses_per_prompt", f"must be >= 2 for {cfg.objective}")
     check(cfg.tb_correction in TB_CORRECTIONS, "tb_correction", f"must be one of {', '.join(TB_CORRECTIONS)}")
-    check(cfg.tb_correction == "none" or cfg.objective == "tb", "tb_correction", f"is TB's, not {cfg.objective}'s")
     check(cfg.tis_cap >= 1, "tis_cap", "must be >= 1")
     check(math.isfinite(cfg.clip_eps) and 0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
     check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")

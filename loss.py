@@ -80,22 +80,23 @@ def tb_corrected_loss(logp, ref_logp, reward, beta, behavior_logp, correction, e
         none          c_k = 1                                (Eq. 4: plain TB)
 
     On-policy (rho = 1) every c_k is 1 and the loss is Eq. 4's. Returns (loss, fraction of responses whose c_k
-    the bound set: masked, clamped or truncated). (Q, K) inputs; behavior_logp = log mu(y_k|x).
+    the bound set: masked, clamped or truncated; NaN for none). (Q, K) inputs; behavior_logp = log mu(y_k|x), NaN
+    where unknown (counted on-policy).
     """
+    if correction == "none":
+        return vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan  # (Eq. 4-5; nothing bounds plain TB's step)
     log_Z = tb_log_Z(logp, ref_logp, reward, beta).unsqueeze(1)  # (Q, 1) over all K, detached, as Eq. 5
     delta = log_Z + logp - ref_logp - reward / beta  # (Q, K)
-    log_rho = (logp - behavior_logp).detach()
+    log_rho = (logp - behavior_logp).detach().nan_to_num(nan=0.0)  # (no behaviour log-prob: counted on-policy)
     rho, low, high = log_rho.exp(), log_rho < math.log(1 - eps), log_rho > math.log(1 + eps)
     if correction == "trust-region":
         bound = ((delta > 0) & low) | ((delta < 0) & high)
         c = (~bound).float()
     elif correction == "clamp":
         bound, c = low | high, rho.clamp(1 - eps, 1 + eps)
-    elif correction == "tis":
-        bound, c = rho > cap, rho.clamp(max=cap)
     else:
-        assert correction == "none", f"unknown TB correction {correction!r}"
-        bound, c = torch.zeros_like(delta, dtype=torch.bool), torch.ones_like(delta)
+        assert correction == "tis", f"unknown TB correction {correction!r}"
+        bound, c = rho > cap, rho.clamp(max=cap)
     return (c * delta.pow(2)).mean(), bound.float().mean().item()
 
 

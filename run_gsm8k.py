@@ -51,6 +51,7 @@ TINY = dict(
     sync_every=4, m=0.95, capacity_per_prompt=64,
     initial_completions=64,  # one batch (official: 500 of 98,000 episodes); a larger fill did no better (docs/results.md)
     eval_every=50, eval_size=0, eval_batch_size=100, log_every=10, checkpoint_every=100, searcher_timeout=60.0,
+    tb_correction="trust-region",  # TB with a trust region, ours: the paper's plain TB is --tb-correction none (README)
 )
 
 # The official GSM8K run (bbartoldson/TBA: launch_training_gsm8k.sh, configs/tba_rho1b_gsm8k.yml,

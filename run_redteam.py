@@ -55,6 +55,7 @@ TINY = dict(
     # smaller k makes the trainer wait for the searcher at most syncs (docs/LOG.md, "Numbers behind the presets")
     sync_every=8, initial_completions=128, m=0.5, prioritization="softmax", reward_temp=1.0, capacity_per_prompt=1000,
     eval_every=100, eval_size=0, eval_batch_size=256, log_every=10, checkpoint_every=0,
+    tb_correction="trust-region",  # TB with a trust region, ours: the paper's plain TB is --tb-correction none (README)
 )
 
 PAPER = dict(

@@ -56,6 +56,7 @@ TINY = dict(
     beta_start=0.2, beta_end=0.2, beta_decay_steps=0,
     sync_every=4, initial_completions=256, m=0.5, capacity_per_prompt=64,
     eval_every=10, eval_size=200, eval_batch_size=100, log_every=10,
+    tb_correction="trust-region",  # TB with a trust region, ours: the paper's plain TB is --tb-correction none (README)
 )
 
 PAPER = dict(

@@ -56,7 +56,8 @@ DEFAULTS = dict(  # one machine, a small model; every field is printed in the re
     micro_batch=64, prompts_per_search=8, max_new_tokens=128, temperature=1.0, lr=1e-5, warmup_steps=10,
     stable_steps=150, decay_steps=40, lr_decay="linear", lr_floor=0.1, beta_start=0.05, beta_end=0.05,
     beta_decay_steps=0, sync_every=2, initial_completions=64, m=0.95, capacity_per_prompt=64, eval_every=50,
-    eval_size=64, eval_batch_size=64, log_every=10, checkpoint_every=100, num_searchers=1)
+    eval_size=64, eval_batch_size=64, log_every=10, checkpoint_every=100, num_searchers=1,
+    tb_correction="trust-region")  # TB with a trust region, ours: the paper's plain TB is --tb-correction none (README)
 PRESETS = {"default": DEFAULTS}
 
 

@@ -95,17 +95,19 @@ def test_online_dpo_best_vs_worst_and_ties():
     assert logp.grad[1].abs().sum().item() == 0.0 and logp.grad[0, 2].item() == 0.0
 
 
-@pytest.mark.parametrize("objective", ["tb", "rloo", "grpo"])
+@pytest.mark.parametrize("objective", ["tb", "tb none", "rloo", "grpo"])  # (tb: the preset's, with its trust region)
 def test_offpolicy_diagnostics_in_every_objectives_metrics_and_step_line(tmp_path, cache_dir, objective):
+    objective, _, correction = objective.partition(" ")
     out = subprocess.run(tiny_args(tmp_path, cache_dir, "--steps", "8", "--sync-every", "4", "--objective", objective,
-                                   "--eval-every", "0"), capture_output=True, text=True, timeout=300)
+                                   *(["--tb-correction", correction] if correction else []), "--eval-every", "0"),
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert rows[0]["offpolicy/drift"] < 1e-4 and rows[0]["offpolicy/ratio_out"] == 0, "step 0: pi = mu"
     assert all(r["offpolicy/drift"] >= 0 and r["offpolicy/drift_p90"] >= 0 for r in rows)
     assert max(r["offpolicy/drift"] for r in rows[1:4]) > 0, "steps 1-3 train on data of step 0's weights"
     clip = [r["offpolicy/clip_frac"] for r in rows]
-    assert all(c is None for c in clip) if objective == "tb" else all(0 <= c <= 1 for c in clip), clip
+    assert all(c is None for c in clip) if correction == "none" else all(0 <= c <= 1 for c in clip), clip
     lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 8 and all(re.search(r"\| drift [\d.]+ out [\d.]+ clip (nan|[\d.]+) \| grad [\d.e+-]+ \|", line)
                                    for line in lines), lines[:2]
