@@ -66,22 +66,14 @@ def tb_log_Z(logp, ref_logp, reward, beta):
 
 def tb_corrected_loss(logp, ref_logp, reward, beta, behavior_logp, correction, eps=0.2, cap=2.0):
     """
-    Departure 4 (ours, not the paper's): the VarGrad TB loss for responses sampled by a stale behaviour policy mu,
-    each squared residual times one correction term c_k (detached), a function of the ratio rho_k = pi(y_k|x) /
-    mu(y_k|x) of sequence probabilities:
-
-        L = mean_{x,k} [ c_k * delta_k^2 ],   delta_k = log_Z(x) + logp_k - ref_logp_k - r_k / beta   (log_Z: Eq. 5)
-
-        trust-region  c_k = 0 once rho_k has left [1 - eps, 1 + eps] the way a descent step on delta_k^2
-                      pushes it (PPO's clip, for TB), else 1
-        clamp         c_k = clamp(rho_k, 1 - eps, 1 + eps)   (the clamped ratio of CISPO and FlowRL, as the
-                      authors' PRIME-RL port of TB)
-        tis           c_k = min(rho_k, cap)                  (truncated importance sampling, as verl and slime)
-        none          c_k = 1                                (Eq. 4: plain TB)
-
-    On-policy (rho = 1) every c_k is 1 and the loss is Eq. 4's. Returns (loss, fraction of responses whose c_k
-    the bound set: masked, clamped or truncated; NaN for none). (Q, K) inputs; behavior_logp = log mu(y_k|x), NaN
-    where unknown (counted on-policy).
+    Departure 4 (ours): Eq. 4 with each squared residual delta_k^2 weighted by a correction c_k (detached) for a
+    response sampled by a stale policy mu, from its ratio rho_k = pi(y_k|x) / mu(y_k|x):
+        trust-region  c_k = 0 once rho_k has left [1 - eps, 1 + eps] the way descent on delta_k^2 pushes it, else 1
+        clamp         c_k = clamp(rho_k, 1 - eps, 1 + eps)   (CISPO's and FlowRL's clamped ratio)
+        tis           c_k = min(rho_k, cap)                  (truncated importance sampling, as verl's)
+        none          c_k = 1                                (plain TB: vargrad_tb_loss)
+    On-policy every c_k is 1: Eq. 4. Returns (loss, fraction of responses the bound acted on; NaN for none).
+    (Q, K) inputs; behavior_logp = log mu(y_k|x), NaN where unknown (counted on-policy).
     """
     if correction == "none":
         return vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan  # (Eq. 4-5; nothing bounds plain TB's step)
@@ -226,13 +218,10 @@ def wsd_schedule(warmup, stable, decay, floor=0.0, decay_type="cosine"):
         s = step + 1
         if s < warmup:
             return floor + (1 - floor) * s / warmup
-        if s < warmup + stable:
-            return 1.0
-        if s < warmup + stable + decay:
-            progress = (s - warmup - stable) / decay
-            shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay_type == "cosine" else 1 - progress
-            return floor + (1 - floor) * shape
-        return floor
+        after = s - warmup - stable  # steps into the decay (< 0: still stable)
+        progress = min(max(after, 0) / decay, 1.0) if decay else float(after >= 0)  # 0 while stable, 1 after the decay
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay_type == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
     return multiplier
 
 
