@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 LAUNCHED = time.time()  # when the run script started: it imports this module first
 
-TB_CORRECTIONS = ("none", "trust-region", "clamp", "tis")  # --tb-correction's choices (loss.tb_corrected_loss)
+TB_CORRECTIONS = ("none", "trust-region")  # --tb-correction's choices: plain TB, or loss.tb_trust_region_loss
 # objective -> the log-probs it reads besides log pi (searchers compute only these). TB is loss.py's; the
 # others are the comparison baselines of baselines.py.
 # (Every trajectory carries its sequence behaviour log-prob, for the off-policy metrics; per token only if read.)
@@ -118,13 +118,12 @@ class Config:
     weight_decay: float = trainer_(0.0, "AdamW weight decay")
     grad_clip: float = trainer_(0.0, "gradient-norm clipping threshold (0: no clipping, as in the official code)")
     clip_eps: float = trainer_(0.2, "importance ratios are clipped to [1 - eps, 1 + eps] (RLOO, GRPO, "
-                                    "--tb-correction trust-region and clamp); also the band of the off-policy metrics")
+                                    "--tb-correction trust-region); also the band of the off-policy metrics")
     ratio_clip: bool = trainer_(True, "clip the importance ratios of RLOO and GRPO (--no-ratio-clip: plain "
                                       "importance weighting, an ablation)")
-    tb_correction: str = trainer_("none", "TB's correction for stale samples, our departure (loss.py): none (Eq. 4, "
-                                          "the paper's) | trust-region (the tiny presets') | clamp | tis: a weight on "
-                                          "each squared residual from its ratio pi/mu (TB only)")
-    tis_cap: float = trainer_(2.0, "--tb-correction tis: the cap C of the truncated importance ratio min(pi/mu, C)")
+    tb_correction: str = trainer_("none", "TB's correction for stale samples (TB only): none (Eq. 4, the paper's) | "
+                                          "trust-region (ours, the tiny presets': a response's residual is dropped once "
+                                          "its ratio pi/mu has left [1 - eps, 1 + eps] the way the step pushes it)")
     # evaluation and logging
     eval_every: int = eval_(100, "evaluate the policy every this many steps (0: at the start and the end only); "
                                  "the searchers wait meanwhile")
@@ -276,7 +275,6 @@ def validate(cfg):
     check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
     check(cfg.objective == "tb" or cfg.responses_per_prompt >= 2, "responses_per_prompt", f"must be >= 2 for {cfg.objective}")
     check(cfg.tb_correction in TB_CORRECTIONS, "tb_correction", f"must be one of {', '.join(TB_CORRECTIONS)}")
-    check(cfg.tis_cap >= 1, "tis_cap", "must be >= 1")
     check(math.isfinite(cfg.clip_eps) and 0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
     check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")
     check(cfg.report_to in ("none", "tensorboard", "wandb"), "report_to", "must be none, tensorboard or wandb")

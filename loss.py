@@ -31,9 +31,9 @@ Departures from the paper / official code:
   3. As in the official code, logits are divided by the sampling temperature before the log-softmax for
      both the policy and the reference (`temperature` argument, default = the sampling temperature
      chosen by the caller). Set it to 1.0 to score under the raw model instead.
-  4. `tb_corrected_loss` (--tb-correction) is ours: TB's squared residuals weighted by a correction for
-     stale samples (a trust region, a clamped or a truncated importance ratio), plain TB on-policy; which one
-     the tiny presets use, and why, is docs/results.md's staleness grid.
+  4. `tb_trust_region_loss` (--tb-correction trust-region, the tiny presets' TB) is ours: TB with PPO's clip,
+     plain TB on-policy; chosen over a clamped and a truncated importance ratio on the staleness grid, where plain
+     TB trails the clipped baselines at large k (docs/results.md, "A recommended TB").
 
 The comparison objectives (RLOO, GRPO, Dr. GRPO, Online DPO) live in baselines.py. This file imports nothing
 from the project: copy it alone.
@@ -64,32 +64,19 @@ def tb_log_Z(logp, ref_logp, reward, beta):
     return (reward / beta - (logp - ref_logp)).mean(dim=1).detach()
 
 
-def tb_corrected_loss(logp, ref_logp, reward, beta, behavior_logp, correction, eps=0.2, cap=2.0):
+def tb_trust_region_loss(logp, ref_logp, reward, beta, behavior_logp, eps):
     """
-    Departure 4 (ours): Eq. 4 with each squared residual delta_k^2 weighted by a correction c_k (detached) for a
-    response sampled by a stale policy mu, from its ratio rho_k = pi(y_k|x) / mu(y_k|x):
-        trust-region  c_k = 0 once rho_k has left [1 - eps, 1 + eps] the way descent on delta_k^2 pushes it, else 1
-        clamp         c_k = clamp(rho_k, 1 - eps, 1 + eps)   (CISPO's and FlowRL's clamped ratio)
-        tis           c_k = min(rho_k, cap)                  (truncated importance sampling, as verl's)
-        none          c_k = 1                                (plain TB: vargrad_tb_loss)
-    On-policy every c_k is 1: Eq. 4. Returns (loss, fraction of responses the bound acted on; NaN for none).
-    (Q, K) inputs; behavior_logp = log mu(y_k|x), NaN where unknown (counted on-policy).
+    Departure 4 (ours): Eq. 4 with a trust region around the policy mu that sampled each response, PPO's clip for
+    TB: a response's squared residual delta_k^2 is dropped once its ratio pi(y_k|x) / mu(y_k|x) has left
+    [1 - eps, 1 + eps] the way descent on delta_k^2 pushes it (delta_k = log_Z + logp_k - ref_logp_k - r_k / beta).
+    On-policy, Eq. 4. Returns (loss, fraction of responses dropped). (Q, K) inputs; behavior_logp = log mu(y_k|x),
+    NaN where unknown (counted on-policy).
     """
-    if correction == "none":
-        return vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan  # (Eq. 4-5; nothing bounds plain TB's step)
     log_Z = tb_log_Z(logp, ref_logp, reward, beta).unsqueeze(1)  # (Q, 1) over all K, detached, as Eq. 5
     delta = log_Z + logp - ref_logp - reward / beta  # (Q, K)
-    log_rho = (logp - behavior_logp).detach().nan_to_num(nan=0.0)  # (no behaviour log-prob: counted on-policy)
-    rho, low, high = log_rho.exp(), log_rho < math.log(1 - eps), log_rho > math.log(1 + eps)
-    if correction == "trust-region":
-        bound = ((delta > 0) & low) | ((delta < 0) & high)
-        c = (~bound).float()
-    elif correction == "clamp":
-        bound, c = low | high, rho.clamp(1 - eps, 1 + eps)
-    else:
-        assert correction == "tis", f"unknown TB correction {correction!r}"
-        bound, c = rho > cap, rho.clamp(max=cap)
-    return (c * delta.pow(2)).mean(), bound.float().mean().item()
+    log_rho = (logp - behavior_logp).detach().nan_to_num(nan=0.0)  # (Q, K) log pi/mu
+    dropped = ((delta > 0) & (log_rho < math.log(1 - eps))) | ((delta < 0) & (log_rho > math.log(1 + eps)))
+    return (delta.pow(2) * ~dropped).mean(), dropped.float().mean().item()
 
 
 # -----------------------------------------------------------------------------

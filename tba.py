@@ -46,7 +46,8 @@ from tqdm import tqdm
 from baselines import baseline_loss
 from buffer import ReplayBuffer
 from config import Config
-from loss import beta_schedule, make_batch, response_logprobs, score_logprobs, tb_corrected_loss, wsd_schedule
+from loss import (beta_schedule, make_batch, response_logprobs, score_logprobs, tb_trust_region_loss, vargrad_tb_loss,
+                  wsd_schedule)
 from ops.bookkeeping import Bookkeeping, step_metrics
 from ops.lora import for_searchers
 from ops.models import PromptTokens, load_for_training, policy_logprobs_fast, shared_prompt_score_logprobs
@@ -155,9 +156,10 @@ def train_step(run, groups, step):
         chunk = groups[i:i + cfg.micro_batch_prompts]
         token_logp = policy_logprobs(run, chunk)  # (n K, R) log pi per response token, with grad (n prompts)
         logp = token_logp.sum(dim=1).view(len(chunk), -1)  # (n, K) log pi(y|x)
-        if cfg.objective == "tb":  # the VarGrad TB loss, Eq. 4-5, with --tb-correction's weight for stale samples (loss.py)
+        if cfg.objective == "tb":  # the VarGrad TB loss, Eq. 4-5, or with the trust region of the tiny presets (loss.py)
             ref_logp, reward, mu = (per_response(chunk, name, logp.device) for name in ("ref_logp", "reward", "behavior_logp"))
-            loss, clip = tb_corrected_loss(logp, ref_logp, reward, beta, mu, cfg.tb_correction, cfg.clip_eps, cfg.tis_cap)
+            loss, clip = (tb_trust_region_loss(logp, ref_logp, reward, beta, mu, cfg.clip_eps) if cfg.tb_correction == "trust-region"
+                          else (vargrad_tb_loss(logp, ref_logp, reward, beta), math.nan))
         else:  # a comparison objective, --objective (baselines.py)
             loss, clip = baseline_loss(cfg, chunk, token_logp, beta)
         (loss * len(chunk) / Q).backward()

@@ -22,7 +22,7 @@ import torch
 
 from baselines import rloo_loss, tb_rloo_gradient_ratio
 from buffer import ReplayBuffer
-from loss import (beta_schedule, make_batch, offpolicy_metrics, sequence_logprobs, tb_corrected_loss, vargrad_tb_loss,
+from loss import (beta_schedule, make_batch, offpolicy_metrics, sequence_logprobs, tb_trust_region_loss, vargrad_tb_loss,
                   wsd_schedule)
 from rewards import GSM8KTask, extract_answer, gold_answer, gsm8k_reward, load_gsm8k
 from tests.helpers import GSM8K_DIR, ROOT, _bpe_tokenizer, read_metrics, tiny_args, traj
@@ -87,41 +87,33 @@ def test_offpolicy_metrics_on_a_hand_built_batch():
 
 
 @quick
-@pytest.mark.parametrize("correction", ["none", "trust-region", "clamp", "tis"])
-def test_every_tb_correction_is_plain_tb_on_policy(correction):
+def test_tb_trust_region_is_plain_tb_on_policy():
     torch.manual_seed(0)
     ref_logp, reward, beta = -5 * torch.rand(3, 4), torch.randint(0, 2, (3, 4)).float(), 0.1
     logp = (-5 * torch.rand(3, 4)).requires_grad_()
     plain = logp.detach().clone().requires_grad_()
-    loss, bound = tb_corrected_loss(logp, ref_logp, reward, beta, logp.detach(), correction)  # mu = pi: every rho is 1
+    loss, dropped = tb_trust_region_loss(logp, ref_logp, reward, beta, logp.detach(), eps=0.2)  # mu = pi: every ratio 1
     loss.backward()
     vargrad_tb_loss(plain, ref_logp, reward, beta).backward()
-    assert loss.item() == pytest.approx(vargrad_tb_loss(plain, ref_logp, reward, beta).item())
-    assert bound == 0.0 or (correction == "none" and math.isnan(bound)), "no bound set on-policy (none has none)"
-    assert torch.allclose(logp.grad, plain.grad), "on-policy, the corrected gradient is Eq. 4's"
+    assert loss.item() == pytest.approx(vargrad_tb_loss(plain, ref_logp, reward, beta).item()) and dropped == 0.0
+    assert torch.allclose(logp.grad, plain.grad), "on-policy, the trust region's gradient is Eq. 4's"
+    unknown, _ = tb_trust_region_loss(plain, ref_logp, reward, beta, torch.full_like(plain, math.nan), eps=0.2)
+    assert unknown.item() == pytest.approx(loss.item()), "a response without a behaviour log-prob counts on-policy"
 
 
 @quick
-def test_tb_corrections_weigh_each_residual_by_its_ratio():
+def test_tb_trust_region_drops_a_residual_once_its_ratio_left_the_band():
     mu = torch.full((1, 4), -2.0)
     ref_logp, reward, beta = mu.clone(), torch.tensor([[1.0, 0.0, 0.0, 1.0]]), 0.5
     logp = (mu + torch.tensor([[0.5, 0.5, -0.5, 0.0]])).requires_grad_()  # ratios e^0.5, e^0.5, e^-0.5, 1
     kl = logp.detach() - ref_logp
     delta = (reward / beta - kl).mean() + kl - reward / beta  # log_Z + kl - r / beta = [-0.625, 1.375, 0.375, -1.125]
     assert delta[0].tolist() == pytest.approx([-0.625, 1.375, 0.375, -1.125])
-    grads = {}
-    for correction in ("trust-region", "clamp", "tis"):
-        logp.grad = None
-        loss, grads[correction] = tb_corrected_loss(logp, ref_logp, reward, beta, mu, correction, eps=0.2, cap=1.5)
-        loss.backward()
-        grads[correction] = (grads[correction], logp.grad[0].tolist())
-    # dL/dlogp_k = 2 c_k delta_k / 4. Trust region: descent moves logp against delta: 0 is pushed up with its ratio
-    # above 1.2 -> masked; 1 is above but pushed down -> kept; 2 is pushed down with its ratio below 0.8 -> masked
-    c = {"trust-region": [0, 1, 0, 1], "clamp": [1.2, 1.2, 0.8, 1], "tis": [1.5, 1.5, math.exp(-0.5), 1]}
-    bound = {"trust-region": 0.5, "clamp": 0.75, "tis": 0.5}
-    for correction, (fraction, grad) in grads.items():
-        assert fraction == bound[correction]
-        assert grad == pytest.approx([2 * ck * d / 4 for ck, d in zip(c[correction], delta[0].tolist())], abs=1e-6), correction
+    loss, dropped = tb_trust_region_loss(logp, ref_logp, reward, beta, mu, eps=0.2)
+    loss.backward()
+    # descent moves logp against delta: 0 is pushed up with its ratio above 1.2 -> dropped; 1 is above but
+    # pushed down -> kept; 2 is pushed down with its ratio below 0.8 -> dropped; 3 is on-policy -> kept
+    assert dropped == 0.5 and logp.grad[0].tolist() == pytest.approx([0.0, 2 * 1.375 / 4, 0.0, 2 * -1.125 / 4])
 
 
 @quick

@@ -79,7 +79,7 @@ class BenchConfig:
     speed_eval_every: int = knob(10, "evaluation period of the speed runs (time to target is read at evaluations)")
     stale_k: str = knob("1,2,4,8,16", "staleness section: the sync periods k (comma list; --quick: 2,16)")
     stale_objectives: str = knob("tb,rloo,grpo", "staleness section: the objectives (comma list; --quick: tb,grpo): tb is "
-                                                 "plain TB; tb-trust-region, tb-clamp, tb-tis are TB with that --tb-correction")
+                                                 "plain TB, tb-trust-region TB with --tb-correction trust-region")
     ablations: str = knob("preset,no-grad-clip,trust-region,init-1024", "ablations section: the variants (comma list of ABLATIONS' "
                                                       "names, run in this order; name@4: at k = 4 only)")
     ablation_k: str = knob("16", "ablations section: the sync periods k (comma list)")

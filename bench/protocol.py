@@ -55,11 +55,11 @@ def read_run(run_dir):
 
 
 TB_VARIANTS = {"tb": ["--objective", "tb", "--tb-correction", "none"],  # plain TB, whatever the preset's default
-               **{f"tb-{c}": ["--objective", "tb", "--tb-correction", c] for c in ("trust-region", "clamp", "tis")}}
+               "tb-trust-region": ["--objective", "tb", "--tb-correction", "trust-region"]}  # (clamp, tis: f552cd9)
 
 
 def objective_flags(objective):
-    """A grid's objective column as run_gsm8k.py's flags: rloo, grpo, ..., or tb (plain) and tb-<correction>."""
+    """A grid's objective column as run_gsm8k.py's flags: rloo, grpo, ..., or tb (plain) and tb-trust-region."""
     return TB_VARIANTS.get(objective, ["--objective", objective])
 
 

@@ -88,7 +88,7 @@ def test_bench_ablation_and_frontier_sections_tabulate(tmp_path, monkeypatch):
 
 def test_bench_staleness_tabulates_each_seeds_lowest_evaluation_from_step_100_and_runs_the_chosen_seeds(tmp_path, monkeypatch):
     from bench import evidence, protocol as bench
-    cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2, first_seed=2, stale_k="1,8", stale_objectives="tb,tb-clamp,grpo")
+    cfg = evidence.BenchConfig(out=str(tmp_path), seeds=2, first_seed=2, stale_k="1,8", stale_objectives="tb,tb-trust-region,grpo")
     made = []
 
     def fake_run(cfg, script, name, flags, seed, eval_every=None, load=False):
@@ -101,7 +101,7 @@ def test_bench_staleness_tabulates_each_seeds_lowest_evaluation_from_step_100_an
     monkeypatch.setattr(bench, "run", fake_run)
     cells, text = evidence.staleness(cfg)
     assert [seed for *_, seed in made] == [2, 3] * 6, "seeds --first-seed .. + --seeds - 1"
-    assert ("stale-tb-clamp-k8-seed3", ["--objective", "tb", "--tb-correction", "clamp", "--sync-every", "8"], 3) in made
+    assert ("stale-tb-trust-region-k8-seed3", ["--objective", "tb", "--tb-correction", "trust-region", "--sync-every", "8"], 3) in made
     assert ("stale-tb-k8-seed2", ["--objective", "tb", "--tb-correction", "none", "--sync-every", "8"], 2) in made
     lows = text.split("from step 100 on (%), each seed's")[1].split("the final")[0]
     assert "| tb | 87 / 88 | 52 / 53 |" in lows and "| grpo | 87 / 88 | 87 / 88 |" in lows, "step 50's 40% is before step 100"

@@ -346,7 +346,7 @@ GPUS = torch.cuda.device_count()
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be > 0"),
     (["--objective", "ppo"], "--objective must be one of tb, rloo, grpo, dr_grpo"),
     (["--lr-decay", "step"], "--lr-decay must be cosine or linear"),
-    (["--tb-correction", "ppo"], "--tb-correction must be one of none, trust-region, clamp, tis"),
+    (["--tb-correction", "ppo"], "--tb-correction must be one of none, trust-region"),
     (["--clip-eps", "1.5"], "--clip-eps must be in (0, 1)"),
     (["--model", "models/does-not-exist/v1"], "--model models/does-not-exist/v1: no such directory, and not a hub id"),
 ])
