@@ -161,9 +161,7 @@ def plot_staleness(cells, ks, objectives, path):
             color, rows = plt.get_cmap("tab10")(i), cells[o, k]
             for r in rows:
                 ax.plot(*zip(*r["curve"]), color=color, alpha=0.25, linewidth=0.8)
-            steps = [s for s, _ in rows[0]["curve"]]
-            ax.plot(steps, [_mean([dict(r["curve"]).get(s, math.nan) for r in rows]) for s in steps], color=color,
-                    linewidth=2, label=o)
+            ax.plot(*mean_curve(rows), color=color, linewidth=2, label=o)
         ax.set(title=f"k = {k}", xlabel="trainer step")
     axes[0][0].set_ylabel("held-out accuracy")
     axes[0][-1].legend(fontsize=7, loc="lower right")
@@ -282,6 +280,12 @@ TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyn
 
 
 
+def mean_curve(rows):
+    """(steps, headline score at each, averaged over the cell's seeds): the first seed's evaluation steps."""
+    steps = [s for s, _ in rows[0]["curve"]]
+    return steps, [_mean([dict(r["curve"]).get(s, math.nan) for r in rows]) for s in steps]
+
+
 def plot(cells, path, title):
     """Mean headline score over steps for each cell (seeds averaged)."""
     plt = pyplot(path)
@@ -289,9 +293,7 @@ def plot(cells, path, title):
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (name, rows) in enumerate(cells.items()):  # tab20: up to 20 cells, no colour repeated
-        steps = [s for s, _ in rows[0]["curve"]]
-        ax.plot(steps, [_mean([dict(r["curve"]).get(s, math.nan) for r in rows]) for s in steps], marker="o",
-                label=name, color=plt.get_cmap("tab20")(i % 20))
+        ax.plot(*mean_curve(rows), marker="o", label=name, color=plt.get_cmap("tab20")(i % 20))
     ax.set(xlabel="trainer step", ylabel="headline score (mean over seeds)", title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()
