@@ -22,6 +22,8 @@ Experiments (--sections)
              gradient norm, KL, spread of log Z across prompts.
   buffer     most-on-policy probability m in {0, 0.5, 0.95} x prioritisation {softmax, uniform}, TB.
   tba_prime  TB with beta decaying linearly against TBA' (constant beta, reference reset every rho steps).
+  redteam    the tiny red-teaming preset at k = 1 and 8 for plain TB, TB with the trust region and RLOO:
+             attack success, and the diversity of the attacks (cosine similarity, trigger families covered).
   tldr       the paper's Table 1 in miniature on the tiny TL;DR preset at the paper's most off-policy
              setting, sync every k = 10 steps with m = 0.5 (the tiny preset's own k is 4): win rate and KL
              for TB, RLOO and Online DPO.
@@ -188,6 +190,17 @@ def tba_prime(cfg):
     return cells, table(rows)
 
 
+def redteam(cfg):
+    cells = {(o, k): cell(cfg, "run_redteam.py", f"redteam-{o}-k{k}", [*objective_flags(o), "--sync-every", str(k)], 100)
+             for o in ("tb", "tb-trust-region", "rloo") for k in (1, 8)}
+    rows = [{"objective": o, "k": k, "attack success (%)": fmt([r["final"] for r in rs], 100),
+             "each seed's (%)": " / ".join(f"{100 * r['final']:.0f}" for r in rs),
+             "cosine similarity (lower: more diverse)": fmt([r["cosine_sim"] for r in rs], digits=3),
+             "trigger families covered (of 4)": fmt([r["modes_covered"] for r in rs])} for (o, k), rs in cells.items()]
+    return ({f"{o} k={k}": rs for (o, k), rs in cells.items()},
+            "the final evaluation (step 200, 1,024 attacks), mean and 95% interval over seeds\n\n" + table(rows))
+
+
 def tldr(cfg):
     objectives = ("tb", "rloo") if cfg.quick else ("tb", "rloo", "online_dpo")
     cells = {o: cell(cfg, "run_tldr.py", f"tldr-{o}", ["--objective", o, "--sync-every", "10"], cfg.tldr_eval_every)
@@ -264,10 +277,11 @@ def plot_time(cells, path, target):
     plt.close(fig)
 
 
-SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "tldr": tldr,
+SECTIONS = {"speed": speed, "staleness": staleness, "buffer": buffer, "tba_prime": tba_prime, "redteam": redteam, "tldr": tldr,
             "ablations": ablations, "frontier": frontier, "trl": trl, "load": load}
 TITLES = {"speed": "Async TBA vs --sync (tiny GSM8K)", "staleness": "Off-policyness: sync period k (tiny GSM8K)",
           "buffer": "The buffer: m and prioritisation, TB (tiny GSM8K)", "tba_prime": "TBA' against beta decay (tiny GSM8K)",
+          "redteam": "Red-teaming off-policy: k = 1 and 8 (tiny red-teaming)",
           "tldr": "Table 1 in miniature: TL;DR at k = 10, m = 0.5 (tiny TL;DR)",
           "ablations": "Why TB trails the clipped baselines off-policy: one change at a time (tiny GSM8K)",
           "frontier": "TL;DR at k = 10: win rate against KL, by beta (tiny TL;DR)",
@@ -314,7 +328,7 @@ def main(argv=None):
     chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
     runs_per_seed = {"speed": 3, "staleness": math.prod(map(len, stale_grid(cfg))), "buffer": 4 if cfg.quick else 6,
-                     "tba_prime": 2, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(",")), "trl": 4, "load": 4}
+                     "tba_prime": 2, "redteam": 6, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(",")), "trl": 4, "load": 4}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
           f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached"

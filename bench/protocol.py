@@ -41,6 +41,7 @@ def run(cfg, script, name, flags, seed, eval_every=None, load=False):
         raise RuntimeError(f"run {name} failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
     row = summarise(*read_run(run_dir), cfg.target)
     row.update({"name": name, "seed": seed, "flags": " ".join(flags), "run_wall_s": round(time.time() - t0, 1)})
+    write_runs(os.path.join(cfg.out, "runs.csv"), [row])  # at once: a bench stopped later keeps this run for --reuse
     print(f"  {name:<34} score {row['score']:.3f} | to target {row['time_to_target_s']} s | {row['run_wall_s']:.0f} s",
           flush=True)
     return row
@@ -108,6 +109,7 @@ def summarise(records, headline, target):
             "round_age": mean("buffer/round_age"), "latest_size": mean("buffer/latest"),
             "drift": mean("offpolicy/drift"), "drift_p90": mean("offpolicy/drift_p90"),
             "ratio_out": mean("offpolicy/ratio_out"), "clip_frac": mean("offpolicy/clip_frac"),
+            "cosine_sim": evals[-1].get("eval/cosine_sim"), "modes_covered": evals[-1].get("eval/modes_covered"),
             "grad_clipped": mean("grad/clipped"), "loss_max": max(r["loss/train"] for r in steps),
             "wait_s": round(sum(r.get("time/wait", 0.0) for r in steps), 1),  # the trainer's waits for fresh data
             "empty_syncs": sum(r.get("buffer/new_round") is False for r in steps),  # merges that formed no round
