@@ -18,23 +18,36 @@ import os
 import re
 import signal
 import sys
+import typing
 
-from config import STOP_SIGNALS, ConfigError, RunError, Stopped, check, parse_config, validate
+from config import STOP_SIGNALS, ConfigError, RunError, Stopped, check, flag, parse_config, validate
 from ops.devices import check_devices, dry_run, resolve_and_plan, torchrun_rank, visible_gpu_bytes
-from ops.flags import expand
 from ops.memory import check_shared_memory
 
 
 def cli(config_cls, presets, main, argv=None, description=None):
     """Parse the flags (argv: sys.argv[1:] by default; --config FILE and TRL's names: ops/flags.py), then `launch`
     main; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        argv = expand(config_cls, sys.argv[1:] if argv is None else argv)
+        if not own_flags_only(config_cls, argv):  # (else ops/flags.py has nothing to do, and is not even imported)
+            from ops.flags import expand
+            argv = expand(config_cls, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return launch(parse_config(config_cls, presets, argv, description=description), main,
                   run_dir_given=any(a.split("=")[0] == "--run-dir" for a in argv))
+
+
+def own_flags_only(config_cls, argv):
+    """Whether argv holds only this project's flags, spelled as --help spells them, and no bool flag given a value:
+    nothing for ops/flags.expand to do (a --config file, TRL's names, the nearest name to an unknown flag)."""
+    types = typing.get_type_hints(config_cls)
+    bools = {flag(name) for name, t in types.items() if t is bool}
+    known = {flag(name) for name in types} | {"--no-" + b[2:] for b in bools} | {"--preset", "--help", "-h"}
+    given_a_value = lambda i: i + 1 < len(argv) and not argv[i + 1].startswith("-")
+    return all(a in known and not (a in bools and given_a_value(i)) for i, a in enumerate(argv) if a.startswith("-"))
 
 
 def launch(cfg, main, run_dir_given=True):

@@ -411,6 +411,23 @@ def test_trl_names_with_no_meaning_here_and_unknown_flags_are_one_line():
     assert table() in open(os.path.join(ROOT, "docs", "tasks.md")).read(), "docs/tasks.md prints ops/flags.py's table"
 
 
+def test_argv_of_own_flags_skips_ops_flags_and_means_what_expand_makes_of_it():
+    """ops/launch.cli leaves argv to the parser as it is when it holds only this project's flags as --help spells
+    them (ops/flags.py is then not imported): exactly the argvs whose expansion parses to the same config."""
+    from config import parse_config
+    from ops.flags import expand
+    from ops.launch import own_flags_only
+    from tasks.dataset import PRESETS, DatasetConfig
+    argvs = [[], ["--steps", "6", "--no-share-prompt", "--sync", "--lr", "1e-5"], ["--preset", "default", "--eval-every", "0"],
+             ["--beta-start", "-1"], ["--steps=6"], ["--warmup_steps", "3"], ["--sync", "true"], ["--beta", "0.1"],
+             ["--max-new-token", "8"], ["--config", "x.yaml"], ["--top_k", "0"]]
+    plain = [a for a in argvs if own_flags_only(DatasetConfig, a)]
+    assert plain == argvs[:3], "only own flags, each bool alone, no --name=value, no negative value"
+    for argv in plain:
+        assert parse_config(DatasetConfig, PRESETS, argv) == parse_config(DatasetConfig, PRESETS,
+                                                                                    expand(DatasetConfig, argv))
+
+
 def test_a_hub_dataset_with_a_config_trains_on_one_split_and_evaluates_on_another(own, tmp_path, capsys):
     """A local copy of a hub repository laid out as openai/gsm8k's (configurations main and socratic, each with train
     and test splits, declared in its README): --dataset-config picks one, --dataset-split and --eval-split the splits;
