@@ -164,17 +164,6 @@ def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperatu
     return response_logprobs(model, input_ids, attention_mask, response_mask, temperature).sum(dim=1)
 
 
-@torch.no_grad()
-def score_logprobs(model, prompts, responses, pad_id, temperature=1.0, micro_batch=64):
-    """log pi(y|x) of (prompt, response) token-id lists without grad (the reference's), micro_batch rows per
-    forward: a list of floats."""
-    out, device = [], next(model.parameters()).device
-    for i in range(0, len(prompts), micro_batch):
-        batch = make_batch(prompts[i:i + micro_batch], responses[i:i + micro_batch], pad_id)
-        out += response_logprobs(model, *(t.to(device) for t in batch), temperature).sum(dim=1).tolist()  # (n,)
-    return out
-
-
 # -----------------------------------------------------------------------------
 # Schedules
 

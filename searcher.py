@@ -42,12 +42,10 @@ from tqdm import tqdm
 
 from buffer import Trajectory
 from config import SearcherDied
-from loss import score_logprobs
 from ops.backends import load_searcher
 from ops.devices import torchrun_rank
 from ops.memory import peak_memory
-from ops.models import (PromptTokens, TokenLogprobs, autocast, completions, cut_at_eos, shared_prompt_score_logprobs,
-                        stop_ids)
+from ops.models import PromptTokens, TokenLogprobs, autocast, completions, cut_at_eos, score_logprobs, stop_ids
 from ops.processes import drain, get_until_stopped, start_process, start_resource_tracker, stop_processes
 from ops.weights import SharedWeights, allocate_shared
 
@@ -240,7 +238,6 @@ class Searcher:
         """`ref`: the reference to score log pi_ref with (None: leave it to the trainer)."""
         self.cfg, self.task, self.generator, self.tokenizer, self.score, self.ref = cfg, task, generator, tokenizer, score, ref
         self.prompt_tokens = PromptTokens(tokenizer, task.prompts)  # prompt id -> token ids, encoded on first use
-        self.ref_logprobs = shared_prompt_score_logprobs if cfg.share_prompt else score_logprobs  # (the same numbers)
         self.rng = random.Random(seed)
 
     def search(self, prompt_ids, policy_version, ref_version):
@@ -258,8 +255,8 @@ class Searcher:
         if cfg.no_eos_reward is not None:  # a response cut at max_new_tokens gets the fixed penalty reward
             rewards = [r if c.finished else cfg.no_eos_reward for r, c in zip(rewards, done)]
         unscored = sum(math.isnan(r) for r in rewards)  # (a NaN reward: nothing scored it; it is not sent)
-        ref_logp = [math.nan] * len(ids) if self.ref is None else self.ref_logprobs(
-            self.ref, prompts, responses, self.tokenizer.pad_token_id, cfg.score_temperature, cfg.micro_batch)
+        ref_logp = [math.nan] * len(ids) if self.ref is None else score_logprobs(self.ref, prompts, responses,
+            self.tokenizer.pad_token_id, cfg.score_temperature, cfg.micro_batch, share_prompt=cfg.share_prompt)
         trajectories = [Trajectory(prompt_id=x, response_ids=tuple(r), reward=float(rw), policy_version=policy_version,
                                    behavior_logp=math.fsum(b) if b else math.nan, ref_logp=float(lr),
                                    ref_version=ref_version if self.ref is not None else -1,

@@ -46,11 +46,10 @@ from tqdm import tqdm
 from baselines import baseline_loss
 from buffer import ReplayBuffer
 from config import Config
-from loss import (beta_schedule, make_batch, response_logprobs, score_logprobs, tb_trust_region_loss, vargrad_tb_loss,
-                  wsd_schedule)
+from loss import beta_schedule, make_batch, response_logprobs, tb_trust_region_loss, vargrad_tb_loss, wsd_schedule
 from ops.bookkeeping import Bookkeeping, step_metrics
 from ops.lora import for_searchers
-from ops.models import PromptTokens, load_for_training, policy_logprobs_fast, shared_prompt_score_logprobs
+from ops.models import PromptTokens, load_for_training, policy_logprobs_fast, score_logprobs
 from rewards import Task
 from searcher import SearcherHandle
 
@@ -193,9 +192,9 @@ def refresh_ref_logp(run, trajectories):
     """Compute log pi_ref for trajectories scored by another reference (or by none); cache it on them."""
     stale = [t for t in trajectories if t.ref_version != run.ref_version]
     if stale:
-        score = shared_prompt_score_logprobs if run.cfg.share_prompt else score_logprobs  # (the same numbers)
-        values = score(run.ref, [run.prompt_tokens[t.prompt_id] for t in stale], [t.response_ids for t in stale],
-                       run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch)
+        values = score_logprobs(run.ref, [run.prompt_tokens[t.prompt_id] for t in stale], [t.response_ids for t in stale],
+                                run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch,
+                                share_prompt=run.cfg.share_prompt)  # (no grad, micro-batched: ops/models.py)
         for t, v in zip(stale, values):
             t.ref_logp, t.ref_version = v, run.ref_version
 

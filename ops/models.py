@@ -199,11 +199,6 @@ def score_logprobs(model, prompt_tokens, responses, pad_id, temperature, micro_b
     return out
 
 
-def shared_prompt_score_logprobs(model, prompts, responses, pad_id, temperature, micro_batch):
-    """loss.score_logprobs with each run of one prompt run once (--share-prompt): the same numbers, less compute."""
-    return score_logprobs(model, prompts, responses, pad_id, temperature, micro_batch, share_prompt=True)
-
-
 def policy_logprobs_fast(cfg, model, prompts, responses, pad_id, K):
     """loss.response_logprobs (with grad) of Q prompts x K responses, prompt-major, each prompt run once for its K
     responses (shared_prompt_logprobs) where the model allows it: not under --gradient-checkpointing, which
