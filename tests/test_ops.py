@@ -472,8 +472,12 @@ def test_searchers_exit_when_the_trainer_is_killed_before_their_job(tmp_path):
 
 def test_ctrl_c_during_the_sft_warm_start_exits_cleanly(tmp_path):
     proc, family = _start_in_the_warm_start(tmp_path)
-    os.killpg(proc.pid, signal.SIGINT)
-    rest, _ = proc.communicate(timeout=30)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+    finally:  # (a run that ignored the signal is not left behind: one ran on for an hour after a failure here)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
     assert rest.strip().splitlines()[-1] == "stopped by SIGINT; nothing to resume; all processes stopped"
     left = os.listdir(tmp_path / "cache") if os.path.exists(tmp_path / "cache") else []
