@@ -310,6 +310,13 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
+def flag_names(config_cls):
+    """The command line's flags as --help spells them (with --no-<bool>, --preset and --help), and its bool flags."""
+    types = typing.get_type_hints(config_cls)
+    bools = {flag(name) for name, t in types.items() if t is bool}
+    return {flag(name) for name in types} | {"--no-" + b[2:] for b in bools} | {"--preset", "--help"}, bools
+
+
 # -----------------------------------------------------------------------------
 # The command line, generated from the dataclass
 

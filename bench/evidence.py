@@ -139,9 +139,8 @@ def staleness(cfg):
              for o in objectives for k in ks}
     scores = [{"objective": o, **{f"k={k}": fmt([r["score"] for r in cells[o, k]], 100) for k in ks},
                "lowest k's mean": f"{100 * min(_mean([r['score'] for r in cells[o, k]]) for k in ks):.1f}"} for o in objectives]
-    seeds_pct = lambda rs, key: " / ".join(f"{100 * r[key]:.0f}" for r in rs)
-    lows = [{"objective": o, **{f"k={k}": seeds_pct(cells[o, k], "low_from_100") for k in ks}} for o in objectives]
-    finals = [{"objective": o, **{f"k={k}": seeds_pct(cells[o, k], "final") for k in ks}} for o in objectives]
+    lows = [{"objective": o, **{f"k={k}": each_seed(cells[o, k], "low_from_100") for k in ks}} for o in objectives]
+    finals = [{"objective": o, **{f"k={k}": each_seed(cells[o, k], "final") for k in ks}} for o in objectives]
     diag = [{"objective": o, "k": k, **diagnostics(rs, DIAGNOSTICS)} for (o, k), rs in cells.items()]
     plot_staleness(cells, ks, objectives, os.path.join(cfg.out, "staleness_curves.png"))
     return ({f"{o} k={k}": rs for (o, k), rs in cells.items()},
@@ -150,6 +149,11 @@ def staleness(cfg):
             "\n\nthe lowest held-out evaluation from step 100 on (%), each seed's\n\n" + table(lows) +
             "\n\nthe final held-out evaluation (%), each seed's\n\n" + table(finals) +
             "\n\ndiagnostics, mean over each run's steps\n\n" + table(diag))
+
+
+def each_seed(rows, key):
+    """A cell's value of `key` (a fraction) in each seed's run, as percentages: "84 / 80 / 79"."""
+    return " / ".join(f"{100 * r[key]:.0f}" for r in rows)
 
 
 def plot_staleness(cells, ks, objectives, path):
@@ -190,11 +194,14 @@ def tba_prime(cfg):
     return cells, table(rows)
 
 
+REDTEAM_GRID = [(o, k) for o in ("tb", "tb-trust-region", "rloo") for k in (1, 8)]  # the redteam section's cells
+
+
 def redteam(cfg):
     cells = {(o, k): cell(cfg, "run_redteam.py", f"redteam-{o}-k{k}", [*objective_flags(o), "--sync-every", str(k)], 100)
-             for o in ("tb", "tb-trust-region", "rloo") for k in (1, 8)}
+             for o, k in REDTEAM_GRID}
     rows = [{"objective": o, "k": k, "attack success (%)": fmt([r["final"] for r in rs], 100),
-             "each seed's (%)": " / ".join(f"{100 * r['final']:.0f}" for r in rs),
+             "each seed's (%)": each_seed(rs, "final"),
              "cosine similarity (lower: more diverse)": fmt([r["cosine_sim"] for r in rs], digits=3),
              "trigger families covered (of 4)": fmt([r["modes_covered"] for r in rs])} for (o, k), rs in cells.items()]
     return ({f"{o} k={k}": rs for (o, k), rs in cells.items()},
@@ -328,7 +335,7 @@ def main(argv=None):
     chosen = cfg.sections.split(",")
     os.makedirs(cfg.out, exist_ok=True)
     runs_per_seed = {"speed": 3, "staleness": math.prod(map(len, stale_grid(cfg))), "buffer": 4 if cfg.quick else 6,
-                     "tba_prime": 2, "redteam": 6, "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(",")), "trl": 4, "load": 4}
+                     "tba_prime": 2, "redteam": len(REDTEAM_GRID), "tldr": 3, "ablations": ablation_runs(cfg), "frontier": 3 * len(cfg.frontier_betas.split(",")), "trl": 4, "load": 4}
     n = cfg.seeds * sum(runs_per_seed[s] for s in chosen)
     print(f"bench: {n} runs; expect about {n * cfg.seconds_per_run / (2.5 if cfg.quick else 1) / 60:.0f} min "
           f"(plus building the warm starts of {cfg.seeds} seeds, first, where not cached"

@@ -18,7 +18,7 @@ import difflib
 import json
 import typing
 
-from config import ConfigError, flag
+from config import ConfigError, flag, flag_names
 
 
 def _bool(value):
@@ -139,7 +139,7 @@ def expand(config_cls, argv):
         else:  # a field, or --no-<field>: its flag, in whichever spelling (--warmup_steps is --warmup-steps)
             out += [flag(key), *values]
     out += tokens(fields, translate_batch(batch)) if batch else []
-    check_known(fields, bools, out)
+    check_known(config_cls, out)
     return out
 
 
@@ -220,9 +220,9 @@ def tokens(fields, settings):
     return out
 
 
-def check_known(fields, bools, argv):
+def check_known(config_cls, argv):
     """Every --flag is one of this project's (or --preset, --help); else ConfigError with the nearest known name."""
-    known = {flag(n) for n in fields} | {"--no-" + n.replace("_", "-") for n in bools} | {"--preset", "--help"}
+    known, _ = flag_names(config_cls)
     for token in argv:
         name = token.partition("=")[0]
         if token.startswith("--") and name not in known:

@@ -18,9 +18,8 @@ import os
 import re
 import signal
 import sys
-import typing
 
-from config import STOP_SIGNALS, ConfigError, RunError, Stopped, check, flag, parse_config, validate
+from config import STOP_SIGNALS, ConfigError, RunError, Stopped, check, flag_names, parse_config, validate
 from ops.devices import check_devices, dry_run, resolve_and_plan, torchrun_rank, visible_gpu_bytes
 from ops.memory import check_shared_memory
 
@@ -43,11 +42,9 @@ def cli(config_cls, presets, main, argv=None, description=None):
 def own_flags_only(config_cls, argv):
     """Whether argv holds only this project's flags, spelled as --help spells them, and no bool flag given a value:
     nothing for ops/flags.expand to do (a --config file, TRL's names, the nearest name to an unknown flag)."""
-    types = typing.get_type_hints(config_cls)
-    bools = {flag(name) for name, t in types.items() if t is bool}
-    known = {flag(name) for name in types} | {"--no-" + b[2:] for b in bools} | {"--preset", "--help", "-h"}
+    known, bools = flag_names(config_cls)
     given_a_value = lambda i: i + 1 < len(argv) and not argv[i + 1].startswith("-")
-    return all(a in known and not (a in bools and given_a_value(i)) for i, a in enumerate(argv) if a.startswith("-"))
+    return all(a in known | {"-h"} and not (a in bools and given_a_value(i)) for i, a in enumerate(argv) if a.startswith("-"))
 
 
 def launch(cfg, main, run_dir_given=True):
