@@ -16,6 +16,7 @@ Run: python run_gsm8k.py --help
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -44,11 +45,7 @@ def knob(default, doc, section="task"):
     return field(default=default, metadata={"doc": doc, "section": section})
 
 
-def _section(name):
-    return lambda default, doc: knob(default, doc, name)
-
-
-tba_, model_, trainer_, eval_, _, run_, infra_, failures_ = map(_section, SECTIONS)
+tba_, model_, trainer_, eval_, _, run_, infra_, failures_ = (functools.partial(knob, section=s) for s in SECTIONS)
 
 
 @dataclass
