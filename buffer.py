@@ -56,11 +56,11 @@ class Trajectory:
     round: int = -1  # set by the buffer: the add() call that stored it
 
 
+@dataclass
 class Deck:
     """Deals items without replacement; when empty, reshuffles `refill()` (the same set, or a new one)."""
-
-    def __init__(self, rng):
-        self.rng, self.left = rng, []
+    rng: np.random.Generator
+    left: list = dataclasses.field(default_factory=list)  # what is still to deal, dealt from the end
 
     def deal(self, refill):
         if not self.left:
@@ -76,13 +76,11 @@ class ReplayBuffer:
     def __init__(self, capacity_per_prompt, seed=0, dedup=True):
         """dedup=False (--no-dedup, an ablation) stores every copy of a response under a serial number."""
         assert capacity_per_prompt >= 1, "capacity_per_prompt must be >= 1"
-        self.capacity, self.dedup, self.serial = capacity_per_prompt, dedup, 0
-        self.rng = np.random.default_rng(seed)
+        self.capacity, self.dedup, self.serial, self.rng = capacity_per_prompt, dedup, 0, np.random.default_rng(seed)
         self.items = {}  # prompt_id -> {key: Trajectory}, oldest insertion first; key: response_ids (or a serial)
         self.latest = {}  # prompt_id -> [Trajectory] stored in the latest round that brought any
         self.latest_deck, self.all_deck = Deck(self.rng), Deck(self.rng)  # next prompt of the round / of all
-        self.num_rounds = 0
-        self.latest_round = 0  # the add() call whose items are the latest round
+        self.num_rounds, self.latest_round = 0, 0  # add() calls so far; the one whose items are the latest round
 
     def __len__(self):
         return sum(len(per_prompt) for per_prompt in self.items.values())
@@ -91,7 +89,7 @@ class ReplayBuffer:
     def num_prompts(self):
         return len(self.items)
 
-    def add(self, trajectories, round_min_version=None):
+    def add(self, trajectories, round_min_version=0):
         """Merge one round. Items with policy_version < round_min_version are stored but not in the round.
         Returns the number of trajectories in the new round; 0 means the previous round stays the latest."""
         self.num_rounds += 1
@@ -99,29 +97,23 @@ class ReplayBuffer:
             per_prompt = self.items.setdefault(t.prompt_id, {})  # (a prompt, once stored, is never removed)
             key = t.response_ids if self.dedup else self.serial
             self.serial += 1
-            old = per_prompt.get(key)
-            if old is not None and old.policy_version > t.policy_version:
+            if key in per_prompt and per_prompt[key].policy_version > t.policy_version:
                 continue  # a late copy from older weights never replaces a newer one
-            if old is not None:
+            if key in per_prompt:
                 self._drop(t.prompt_id, key)  # dedup: the newest copy wins (and moves to the end)
             t.round, per_prompt[key] = self.num_rounds, t
         latest = {}
         for x in {t.prompt_id for t in trajectories}:  # (x: a prompt id)
-            self._evict(x)
-            fresh = [t for t in self.items[x].values()
-                     if t.round == self.num_rounds and (round_min_version is None or t.policy_version >= round_min_version)]
+            # capacity: the oldest by policy version go (ties: the first stored; dicts keep insertion order, sorted() is stable)
+            excess = max(len(self.items[x]) - self.capacity, 0)
+            for key, _ in sorted(self.items[x].items(), key=lambda kv: kv[1].policy_version)[:excess]:
+                self._drop(x, key)
+            fresh = [t for t in self.items[x].values() if t.round == self.num_rounds and t.policy_version >= round_min_version]
             if fresh:
                 latest[x] = fresh
         if latest:  # a sync that brought nothing new keeps the last round (the official code's behaviour)
             self.latest, self.latest_deck.left, self.latest_round = latest, [], self.num_rounds
         return sum(len(v) for v in latest.values())
-
-    def _evict(self, x):
-        """Keep the capacity newest items of prompt x: the oldest by policy version go, ties by insertion order."""
-        excess = len(self.items[x]) - self.capacity
-        if excess > 0:  # (dicts keep insertion order, and sorted() is stable)
-            for key, _ in sorted(self.items[x].items(), key=lambda kv: kv[1].policy_version)[:excess]:
-                self._drop(x, key)
 
     def _drop(self, x, key):
         """The one way an item leaves the buffer: out of storage, out of the latest round, and its prompt out
@@ -151,10 +143,8 @@ class ReplayBuffer:
 
     def sample(self, num_prompts, K, m=1.0, prioritization="softmax", reward_temp=1.0):
         """Return `num_prompts` groups, each a list of K Trajectories of one prompt."""
-        if prioritization not in ("uniform", "softmax"):
-            raise ValueError(f"prioritization must be 'uniform' or 'softmax', got {prioritization!r}")
-        if not self.items:
-            raise ValueError("cannot sample from an empty replay buffer")
+        assert prioritization in ("uniform", "softmax"), f"prioritization: 'uniform' or 'softmax', not {prioritization!r}"
+        assert self.items, "cannot sample from an empty replay buffer"
         groups = []
         for _ in range(num_prompts):
             if self.latest and self.rng.random() < m:

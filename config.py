@@ -241,6 +241,14 @@ def signals_ignored():
 # -----------------------------------------------------------------------------
 # Validation: every check names its flag, and none can raise anything but ConfigError
 
+# the settings that take one of a few values (a Config made in Python is checked too, not only the command line)
+CHOICES = {"objective": tuple(OBJECTIVES), "tb_correction": TB_CORRECTIONS, "prioritization": ("softmax", "uniform"),
+           "report_to": ("none", "tensorboard", "wandb"), "lr_decay": ("cosine", "linear"), "backend": ("auto", "hf", "vllm"),
+           "trainer_dtype": ("auto", "float32", "bf16-mixed", "bfloat16", "float16"),
+           "searcher_dtype": ("auto", "float32", "bfloat16", "float16"), "on_searcher_failure": ("abort", "restart"),
+           "lora_sync": ("adapter", "merged")}
+
+
 def validate(cfg):
     """Raise ConfigError naming the flag of the first inconsistent setting."""
     positive = ["steps", "keep_checkpoints", "samples_per_prompt", "responses_per_prompt", "batch_size", "micro_batch_prompts", "micro_batch",
@@ -269,20 +277,10 @@ def validate(cfg):
     check(cfg.temperature_max is None or cfg.temperature_max >= cfg.temperature, "temperature_max", "must be >= --temperature")
     check(cfg.loss_temperature is None or cfg.loss_temperature > 0, "loss_temperature", "must be > 0")
     check(0.0 <= cfg.lr_floor <= 1.0, "lr_floor", "must be in [0, 1]")
-    check(cfg.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
+    for name, allowed in CHOICES.items():
+        check(getattr(cfg, name) in allowed, name, f"must be one of {', '.join(allowed)}")
     check(cfg.objective == "tb" or cfg.responses_per_prompt >= 2, "responses_per_prompt", f"must be >= 2 for {cfg.objective}")
-    check(cfg.tb_correction in TB_CORRECTIONS, "tb_correction", f"must be one of {', '.join(TB_CORRECTIONS)}")
     check(math.isfinite(cfg.clip_eps) and 0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
-    check(cfg.prioritization in ("softmax", "uniform"), "prioritization", "must be softmax or uniform")
-    check(cfg.report_to in ("none", "tensorboard", "wandb"), "report_to", "must be none, tensorboard or wandb")
-    check(cfg.lr_decay in ("cosine", "linear"), "lr_decay", "must be cosine or linear")
-    check(cfg.backend in ("auto", "hf", "vllm"), "backend", "must be auto, hf or vllm")
-    check(cfg.trainer_dtype in ("auto", "float32", "bf16-mixed", "bfloat16", "float16"), "trainer_dtype",
-          "must be auto, float32, bf16-mixed, bfloat16 or float16")
-    check(cfg.searcher_dtype in ("auto", "float32", "bfloat16", "float16"), "searcher_dtype",
-          "must be auto, float32, bfloat16 or float16")
-    check(cfg.on_searcher_failure in ("abort", "restart"), "on_searcher_failure", "must be abort or restart")
-    check(cfg.lora_sync in ("adapter", "merged"), "lora_sync", "must be adapter or merged")
     check(not (cfg.lora_rank and cfg.backend == "vllm" and cfg.lora_sync == "adapter") or behaviour_logprobs_from_engine(cfg),
           "lora_sync", "adapter: vLLM's log-probs are the behaviour's at --temperature, so neither --temperature-max "
           "nor another --loss-temperature (or --lora-sync merged)")

@@ -108,8 +108,7 @@ def make_batch(prompts, responses, pad_id):
     Prompts are left-padded and responses right-padded, so every prompt ends at the same column:
         [pad pad p1 p2 p3 | r1 r2 pad]     attention 0 0 1 1 1 1 1 0, response 0 0 0 0 0 1 1 0
     """
-    P = max(len(p) for p in prompts)
-    R = max(len(r) for r in responses)
+    P, R = max(map(len, prompts)), max(map(len, responses))  # the longest prompt, the longest response
     rows, attn, resp = [], [], []
     for p, r in zip(prompts, responses):
         rows.append([pad_id] * (P - len(p)) + list(p) + list(r) + [pad_id] * (R - len(r)))
@@ -174,31 +173,27 @@ def beta_schedule(step, beta_start, beta_end, decay_steps, stop_step=None):
     paper's TL;DR schedule). Constant when beta_start == beta_end.
     Paper GSM8K: 0.014 -> 0.004 by step 500 (Table 2).
     """
-    if stop_step is not None and step >= stop_step:
-        return beta_end
-    if decay_steps <= 0 or step >= decay_steps:
+    if decay_steps <= 0 or step >= decay_steps or (stop_step is not None and step >= stop_step):
         return beta_end
     return beta_start + (beta_end - beta_start) * step / decay_steps
 
 
-def wsd_schedule(warmup, stable, decay, floor=0.0, decay_type="cosine"):
+def wsd_schedule(step, warmup, stable, decay, floor=0.0, decay_type="cosine"):
     """
-    Warmup-stable-decay learning-rate multiplier as a function of the trainer step: transformers'
+    Warmup-stable-decay learning-rate multiplier at the trainer step `step`: transformers'
     `get_wsd_schedule` (the official code's scheduler) written out, so that this file needs torch alone. Linear
     warmup from `floor` to 1 over `warmup` steps, 1 for `stable` steps, then a cosine (official) or linear decay
     to `floor` over `decay` steps, `floor` after. The official trainer steps the scheduler before each update,
     so step s (0-based) gets the multiplier of s + 1: the first update uses 1/warmup of the peak. Official
     GSM8K: warmup 50, stable 350, decay 600, cosine, with the run stopped at step 700 (multiplier 0.5 there).
     """
-    def multiplier(step):
-        s = step + 1
-        if s < warmup:
-            return floor + (1 - floor) * s / warmup
-        after = s - warmup - stable  # steps into the decay (< 0: still stable)
-        progress = min(max(after, 0) / decay, 1.0) if decay else float(after >= 0)  # 0 while stable, 1 after the decay
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay_type == "cosine" else 1 - progress
-        return floor + (1 - floor) * shape
-    return multiplier
+    s = step + 1
+    if s < warmup:
+        return floor + (1 - floor) * s / warmup
+    after = s - warmup - stable  # steps into the decay (< 0: still stable)
+    progress = min(max(after, 0) / decay, 1.0) if decay else float(after >= 0)  # 0 while stable, 1 after the decay
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay_type == "cosine" else 1 - progress
+    return floor + (1 - floor) * shape
 
 
 class _ToyLM(torch.nn.Module):
@@ -236,7 +231,7 @@ if __name__ == "__main__":  # the self-check: python loss.py (torch alone)
     print(f"sequence log-probs with and without padding: {padded.tolist()} {alone.tolist()}")
     assert torch.allclose(padded, alone), "padding adds nothing to log pi(y|x)"
     print("beta at steps 0, 250, 500, 700:", [round(beta_schedule(s, 0.014, 0.004, 500), 4) for s in (0, 250, 500, 700)])
-    lr_at = wsd_schedule(50, 350, 600)
-    print("lr multiplier at steps 0, 49, 200, 699, 1000:", [round(lr_at(s), 3) for s in (0, 49, 200, 699, 1000)])
-    assert math.isclose(beta_schedule(0, 0.014, 0.004, 500), 0.014) and math.isclose(lr_at(699), 0.5)
+    multipliers = [wsd_schedule(s, 50, 350, 600) for s in (0, 49, 200, 699, 1000)]
+    print("lr multiplier at steps 0, 49, 200, 699, 1000:", [round(m, 3) for m in multipliers])
+    assert math.isclose(beta_schedule(0, 0.014, 0.004, 500), 0.014) and math.isclose(multipliers[3], 0.5)
     print("loss.py: self-check passed")

@@ -255,8 +255,7 @@ def main(cfg):
     """Red-teaming with TBA: the searchers start first (their imports overlap the attacker's and
     victim's training), then the task, then the trainer (ops/launch.py runs it after its checks)."""
     with spawn_searchers(cfg) as searchers:  # searcher.py: stopped when the block ends, on every path
-        task = make_task(cfg)
-        return tba.train(cfg, task, searchers)
+        return tba.train(cfg, make_task(cfg), searchers)  # (make_task: the task's data and warm start)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ A searcher process (`searcher_process`, then `searcher_loop`) repeats, never wai
     score        the task's reward, and log pi_ref of each response
     send         a Batch of Trajectories (prompt, response, reward, policy version) on its own queue
 The trainer holds a `SearcherHandle` (the interface below): start, poll (what arrived: tba.merge makes a round
-of it), publish, publish_ref, close. `Searchers`, the one a reader reads, runs processes on this machine, a queue
+of it), publish (policy or reference), close. `Searchers`, the one a reader reads, runs processes on this machine, a queue
 each, weights shared through ops/weights.SharedWeights. Off the reader's path: torchrun (ops/distributed.py, the
 same `searcher_loop` over the network), vLLM (ops/vllm_backend.py), --sync (`SyncSearch`), restarts.
 
@@ -38,12 +38,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.multiprocessing as mp  # (multiprocessing, with tensors shared rather than pickled)
 from tqdm import tqdm
 
 from buffer import Trajectory
 from config import SearcherDied
 from ops.backends import load_searcher
 from ops.devices import torchrun_rank
+from ops.distributed import DistSearchers
 from ops.memory import peak_memory
 from ops.models import PromptTokens, TokenLogprobs, autocast, completions, cut_at_eos, score_logprobs, stop_ids
 from ops.processes import drain, get_until_stopped, start_process, start_resource_tracker, stop_processes
@@ -59,19 +61,18 @@ class SearcherHandle(Protocol):
         """Give the searchers their job (config, task, seed) and the weights of `step` to start from."""
 
     def poll(self):
-        """(trajectories, reports): every Trajectory sent since the last poll, and each batch's report (dict)."""
+        """(trajectories, reports): every Trajectory sent since the last poll, and each batch's report (dict). Returns at
+        once, empty if nothing came (a merge that waits sleeps between polls: ops/bookkeeping.wait_for_searchers)."""
 
-    def publish(self, policy, version):
-        """The searchers' policy becomes these weights (trainer step `version`); returns the seconds it took."""
-
-    def publish_ref(self, ref, version):
-        """TBA's reference reset: the searchers' reference becomes these weights."""
+    def publish(self, kind, model, version):
+        """The searchers' "policy" (a sync) or "ref" (TBA's reference reset) becomes these weights, of trainer step
+        `version`; returns the seconds it took (what a searcher's link.pull(kind, ...) then copies in)."""
 
     def close(self):
         """Stop every searcher (also what leaving the `with` block does)."""
 
     # and for operations (ops/bookkeeping.py): pause(paused) during an evaluation, check_alive() (a dead or silent
-    # searcher), state_dict() and load_state_dict(state) for checkpoints
+    # searcher), state_dict() and load_state_dict(state) for checkpoints (a resumed run loads it before start)
 
 
 def spawn_searchers(cfg):
@@ -81,7 +82,6 @@ def spawn_searchers(cfg):
     if cfg.sync:  # the on-policy baseline: the trainer generates each batch itself (`SyncSearch`, below)
         return contextlib.closing(SyncSearch(cfg))
     if torchrun_rank() is not None:  # under torchrun: the job's other ranks (ops/distributed.py)
-        from ops.distributed import DistSearchers
         return DistSearchers(cfg)
     return contextlib.closing(Searchers(cfg))  # (leaving the `with` block calls its close)
 
@@ -93,32 +93,28 @@ class Searchers:
     """The searcher processes of this machine, one queue each, and the weights they share."""
 
     def __init__(self, cfg):
-        import torch.multiprocessing as mp  # (multiprocessing, with tensors shared rather than pickled)
         start_resource_tracker()  # (first, with stop signals ignored: ops/processes.py)
         self.cfg, self.ctx = cfg, mp.get_context("spawn")  # CUDA-safe; each child imports what it needs
         self.stop_event, self.pause_event = self.ctx.Event(), self.ctx.Event()  # end the run; hold it (evaluation)
         self.weights = {kind: SharedWeights(self.ctx, cfg.searcher_timeout) for kind in ("policy", "ref")}  # (ops/weights.py)
         n = cfg.num_searchers
-        self.procs, self.queues, self.jobs, self.last_heard = [None] * n, [None] * n, [None] * n, [0.0] * n
-        self.restarts, self.job = 0, None
+        self.procs, self.queues, self.jobs, self.last_heard, self.restarts = [None] * n, [None] * n, [None] * n, {}, 0
         for rank in range(n):
             self.spawn(rank)
 
     def spawn(self, rank):
-        """(Re)start searcher `rank` with fresh queues (a process killed mid-write can leave its queue corrupt)."""
-        for q in filter(None, (self.queues[rank], self.jobs[rank])):  # a restart: a job the dead searcher never read
-            q.cancel_join_thread()  # must not hold the trainer's exit (multiprocessing joins a queue's sender thread)
+        """Start searcher `rank` with fresh queues (a restart too: a process killed mid-write can leave its queue corrupt)."""
         self.queues[rank] = self.ctx.Queue(maxsize=self.cfg.queue_size)  # its batches, to the trainer
         self.jobs[rank] = self.ctx.Queue(maxsize=1)  # its job, from the trainer
         self.procs[rank] = self.ctx.Process(
             target=searcher_process, name=f"searcher-{rank}", daemon=True,
             args=(rank, self.jobs[rank], self.queues[rank], self.stop_event, self.pause_event, self.weights, os.getpid()))
         start_process(self.procs[rank])  # (with stop signals ignored: they are the trainer's to handle)
-        self.last_heard[rank] = time.time()
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         """Allocate the shared weights (a copy per searcher device, in their dtype) and send every searcher its job."""
         self.cfg, self.job = cfg, {"cfg": cfg, "task": task, "step": step}
+        self.last_heard = dict.fromkeys(range(cfg.num_searchers), time.time())  # (silent too long: failed, check_alive)
         self.devices = allocate_shared(cfg, self.weights, policy, ref, step, ref_version)  # (ops/weights.py)
         for rank in range(cfg.num_searchers):
             self.send_job(rank)
@@ -127,25 +123,16 @@ class Searchers:
         seed = self.cfg.seed + self.job["step"] + 1000 * (rank + 1) + 100_000 * self.restarts
         weights = {kind: shared.tensors.get(self.devices[rank]) for kind, shared in self.weights.items()}
         self.jobs[rank].put({**self.job, "seed": seed, "weights": weights})
-        self.last_heard[rank] = time.time()
 
     def poll(self):
         """(trajectories, reports): every Trajectory the searchers sent since the last poll, in order per searcher,
-        and each batch's report (waits 10 ms if nothing came)."""
+        and each batch's report."""
         batches = [(rank, batch) for rank, out in enumerate(self.queues) for batch in drain(out)]  # (ops/processes.py)
-        for rank, _ in batches:
-            self.last_heard[rank] = time.time()  # (a searcher silent for --searcher-timeout has failed)
-        if not batches:
-            time.sleep(0.01)
+        self.last_heard.update((rank, time.time()) for rank, _ in batches)
         return [t for _, b in batches for t in b.trajectories], [{**b.report, "rank": rank} for rank, b in batches]
 
-    def publish(self, policy, version):
-        t0 = time.time()
-        self.weights["policy"].publish(policy, version)
-        return time.time() - t0
-
-    def publish_ref(self, ref, version):
-        self.weights["ref"].publish(ref, version)  # (no copy when the objective reads no reference: start)
+    def publish(self, kind, model, version):
+        return self.weights[kind].publish(model, version)  # (a reference nobody reads has no copy to fill: start)
 
     def close(self):
         """Stop every searcher: ask, wait up to 5 s, then kill (ops/processes.py). Safe twice."""
@@ -156,28 +143,36 @@ class Searchers:
     def pause(self, paused):
         """Hold the searchers after their current batch (an evaluation: the run's clocks stop), or let them go on."""
         (self.pause_event.set if paused else self.pause_event.clear)()
-        self.last_heard = [time.time()] * len(self.procs)  # (a held searcher is not a silent one)
+        self.last_heard = dict.fromkeys(range(len(self.procs)), time.time())  # (a held searcher is not a silent one)
 
     def check_alive(self):
         """A dead or silent searcher is restarted (with the current weights) or ends the run, per
         --on-searcher-failure."""
         for rank, p in enumerate(self.procs):
             silent = time.time() - self.last_heard[rank]
-            if p.exitcode is None and silent < self.cfg.searcher_timeout:
-                continue
-            if p.exitcode is None:
-                msg = f"{p.name} (pid {p.pid}) sent nothing for {silent:.0f} s (--searcher-timeout {self.cfg.searcher_timeout})"
-                p.kill()
-            else:
-                msg = f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}; its traceback, if any, is above"
-            if self.cfg.on_searcher_failure == "abort":
-                raise SearcherDied(msg)
-            if self.restarts >= self.cfg.max_searcher_restarts:
-                raise SearcherDied(f"{msg}; restart limit --max-searcher-restarts {self.cfg.max_searcher_restarts} reached")
-            self.restarts += 1
-            tqdm.write(f"{msg}; restarting it ({self.restarts}/{self.cfg.max_searcher_restarts})")
-            self.spawn(rank)
-            self.send_job(rank)
+            if p.exitcode is not None or silent >= self.cfg.searcher_timeout:
+                self.restart(rank, silent)
+
+    def restart(self, rank, silent):
+        """Searcher `rank` died, or was silent for `silent` seconds (then it is killed): a new process, with fresh
+        queues and its job again, or SearcherDied (--on-searcher-failure abort, or no restart left)."""
+        p = self.procs[rank]
+        if p.exitcode is None:
+            msg = f"{p.name} (pid {p.pid}) sent nothing for {silent:.0f} s (--searcher-timeout {self.cfg.searcher_timeout})"
+            p.kill()
+        else:
+            msg = f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}; its traceback, if any, is above"
+        if self.cfg.on_searcher_failure == "abort":
+            raise SearcherDied(msg)
+        if self.restarts >= self.cfg.max_searcher_restarts:
+            raise SearcherDied(f"{msg}; restart limit --max-searcher-restarts {self.cfg.max_searcher_restarts} reached")
+        self.restarts += 1
+        tqdm.write(f"{msg}; restarting it ({self.restarts}/{self.cfg.max_searcher_restarts})")
+        for q in (self.queues[rank], self.jobs[rank]):  # (a job the dead searcher never read, still in the pipe, ...)
+            q.cancel_join_thread()  # ... must not hold the trainer's exit: multiprocessing joins a queue's sender thread
+        self.spawn(rank)
+        self.send_job(rank)
+        self.last_heard[rank] = time.time()
 
     def state_dict(self):
         return {"restarts": self.restarts}  # searchers restart fresh on resume (see ops/checkpoint.py)
@@ -206,9 +201,7 @@ def searcher_loop(rank, cfg, task, seed, link):
     """The work of a searcher, whatever started it (`searcher_process`; a torchrun rank: ops/distributed.py), through
     its `link` to the trainer: alive() is False once the trainer said stop (and waits while it holds the run);
     pull(kind, model, version) copies newer "policy" or "ref" weights into `model`; put(batch) sends it."""
-    torch.set_num_threads(cfg.searcher_threads)
-    torch.manual_seed(seed)
-    ref, tokenizer, generator, device = load_searcher(cfg, rank, seed, HFGenerator)  # (vLLM's: --backend vllm)
+    ref, tokenizer, generator, device = load_searcher(cfg, rank, seed, HFGenerator)  # (seeded; vLLM's: --backend vllm)
     searcher = Searcher(cfg, task, generator, tokenizer, task.make_scorer(device), seed, ref=ref)
     prompt_batches = PromptSampler(len(task.prompts), rank, cfg.num_searchers, cfg.prompts_per_search, seed)
     version = ref_version = -1
@@ -220,8 +213,7 @@ def searcher_loop(rank, cfg, task, seed, link):
             ref_version = link.pull("ref", ref, ref_version)
         batch = searcher.search(next(prompt_batches), version, ref_version)  # generate S each, score
         batch.report.update(pull_s=pull_s, peak_bytes=peak_memory(device))
-        if not link.put(batch):  # send (waits while the queue is full)
-            return
+        link.put(batch)  # send (waits while the queue is full)
 
 
 @dataclass
@@ -271,8 +263,10 @@ class HFGenerator:
     owns. ops/vllm_backend.VLLMGenerator has the same interface (sample, generate, load_state_dict, stop_ids)."""
 
     def __init__(self, model, tokenizer, max_new_tokens):
-        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+        self.model, self.tokenizer = model, tokenizer
         self.stop_ids = stop_ids(model, tokenizer)  # every id that ends a response (a chat model has several)
+        self.limits = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=list(self.stop_ids))  # (generate's length and stop arguments)
 
     def load_state_dict(self, tensors):
         self.model.load_state_dict(tensors)
@@ -287,14 +281,11 @@ class HFGenerator:
         inputs = self.tokenizer.pad(rows, padding_side="left", return_tensors="pt").to(self.model.device)  # (N, P)
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         recorder = TokenLogprobs(score_temperature) if score_temperature is not None else None  # (each step's log-probs)
-        out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=list(self.stop_ids), logits_processor=[recorder] if recorder else None,
-                                  **sampling)
+        out = self.model.generate(**inputs, **self.limits, logits_processor=[recorder] if recorder else None, **sampling)
         new = out[:, inputs["input_ids"].shape[1]:]  # (N, T) generated ids, padded after a stop id
         responses = [cut_at_eos(row, self.stop_ids) for row in new.tolist()]
-        if recorder is None:
-            return responses, None
-        return responses, [tuple(row[:len(r)]) for row, r in zip(recorder.finish(new), responses)]
+        behavior = None if recorder is None else [tuple(row[:len(r)]) for row, r in zip(recorder.finish(new), responses)]
+        return responses, behavior
 
     def generate(self, prompt_tokens, n, temperature, greedy=False):
         """`sample`'s responses alone (an evaluation's greedy completions)."""
@@ -349,11 +340,9 @@ class QueueLink:
     def put(self, batch):
         """Send a batch, waiting while the queue is full; False if the run stopped meanwhile."""
         while self.alive():
-            try:
+            with contextlib.suppress(queue.Full):  # (full: try again, unless the run stopped meanwhile)
                 self.out_queue.put(batch, timeout=1.0)
                 return True
-            except queue.Full:
-                continue
         return False
 
 
@@ -368,13 +357,17 @@ class SyncSearch:
     restarts = 0
 
     def __init__(self, cfg):
-        self.cfg = cfg
+        self.cfg, self.resumed = cfg, None  # (resumed: a checkpoint's state, applied at start)
 
     def start(self, cfg, task, policy, ref, tokenizer, step, ref_version=0):
         self.version = step  # (reference and behaviour log-probs: left to the trainer, which has the models)
         self.searcher = Searcher(cfg, task, HFGenerator(policy, tokenizer, cfg.max_new_tokens), tokenizer,
                                  task.make_scorer(cfg.device), cfg.seed)
         self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.prompts_per_step, cfg.seed)
+        if self.resumed is not None:  # (where a resumed run's prompts and temperatures had got to)
+            self.prompts.load_state_dict(self.resumed["prompts"])
+            rng = self.resumed["searcher_rng"]
+            self.searcher.rng.setstate((rng[0], tuple(rng[1]), rng[2]))  # (JSON made its tuples lists)
 
     def poll(self):
         """A fresh batch: Q prompts x S responses from the current policy, and its report."""
@@ -382,16 +375,15 @@ class SyncSearch:
             batch = self.searcher.search(next(self.prompts), self.version, ref_version=-1)
         return batch.trajectories, [batch.report]
 
-    def publish(self, policy, version):
-        self.version = version  # (the searcher generates with the trainer's own policy)
+    def publish(self, kind, model, version):
+        if kind == "policy":
+            self.version = version  # (the searcher generates with the trainer's own policy)
         return 0.0
 
     def state_dict(self):
         return {"prompts": self.prompts.state_dict(), "searcher_rng": self.searcher.rng.getstate()}
 
     def load_state_dict(self, state):
-        self.prompts.load_state_dict(state["prompts"])
-        rng = state["searcher_rng"]
-        self.searcher.rng.setstate((rng[0], tuple(rng[1]), rng[2]))  # (JSON made its tuples lists)
+        self.resumed = state  # (applied at start, which makes the prompt sampler and the searcher)
 
-    publish_ref = pause = check_alive = close = lambda self, *args: None  # (nothing to send, hold, check or stop)
+    pause = check_alive = close = lambda self, *args: None  # (nothing to hold, check or stop)

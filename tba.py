@@ -86,7 +86,6 @@ class Run:
     ref: torch.nn.Module  # pi_ref, frozen between TBA' resets
     tokenizer: object
     opt: torch.optim.Optimizer
-    lr_at: object  # step -> learning-rate multiplier (warmup-stable-decay)
     buffer: ReplayBuffer
     searchers: SearcherHandle  # searcher.Searchers (or a variant: --sync, torchrun)
     prompt_tokens: dict  # token ids of the task's training prompts, by prompt id (encoded on first use)
@@ -97,18 +96,14 @@ class Run:
 
 def setup(cfg, task, searchers):
     """Models, optimiser, buffer and bookkeeping; the state of a resumed run; the searchers' job."""
-    torch.manual_seed(cfg.seed)
-    policy, ref, tokenizer, task = load_for_training(cfg, task)  # eval mode (no dropout); over-long prompts skipped
+    policy, ref, tokenizer, task = load_for_training(cfg, task)  # seeded; eval mode (no dropout); long prompts skipped
     trained = [p for p in policy.parameters() if p.requires_grad]  # (with --lora-rank: the adapters)
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    lr_at = wsd_schedule(cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
-    run = Run(cfg, task, policy, ref, tokenizer, opt, lr_at, ReplayBuffer(cfg.capacity_per_prompt, cfg.seed, cfg.dedup),
+    run = Run(cfg, task, policy, ref, tokenizer, opt, ReplayBuffer(cfg.capacity_per_prompt, cfg.seed, cfg.dedup),
               searchers, PromptTokens(tokenizer, task.prompts))
     run.books = Bookkeeping(run)  # (saves the resolved config as run_dir/config.json)
-    run.start, run.ref_version, searchers_state = run.books.restore() if cfg.resume else (0, 0, None)
+    run.start, run.ref_version = run.books.restore() if cfg.resume else (0, 0)  # (and the searchers' restart count)
     searchers.start(cfg, task, for_searchers(cfg, policy), ref, tokenizer, run.start, run.ref_version)
-    if searchers_state is not None:
-        searchers.load_state_dict(searchers_state)
     return run
 
 
@@ -121,11 +116,10 @@ def merge(run, step):
     barrier's rule: most-on-policy draws are then at most 2k - 1 steps stale), and when nothing that new has
     arrived the trainer waits for the searchers rather than train on the old round again (--no-fresh-rounds:
     never wait). The first merge also waits for --initial-completions trajectories."""
-    cfg = run.cfg
-    min_version = max(step - cfg.sync_every, 0)  # the weights published at the previous sync, or newer
-    need = cfg.initial_completions if step == run.start else 0
+    min_version = max(step - run.cfg.sync_every, 0)  # the weights published at the previous sync, or newer
+    need = run.cfg.initial_completions if step == run.start else 0
     items, reports = run.searchers.poll()  # every trajectory the searchers sent since the last merge, their reports
-    while len(items) < need or (cfg.fresh_rounds and not any(t.policy_version >= min_version for t in items)):
+    while len(items) < need or (run.cfg.fresh_rounds and not any(t.policy_version >= min_version for t in items)):
         run.books.wait_for_searchers(len(items), need, reports)  # (a stop signal or a dead searcher ends the wait)
         more, more_reports = run.searchers.poll()
         items, reports = items + more, reports + more_reports
@@ -137,7 +131,7 @@ def reset_reference(run, step):
     """TBA': pi_ref <- pi. Searchers get the new reference; stale ref log-probs are recomputed on use."""
     run.ref.load_state_dict(run.policy.state_dict())
     run.ref_version = step
-    run.searchers.publish_ref(run.ref, step)
+    run.searchers.publish("ref", run.ref, step)
 
 
 def train_step(run, groups, step):
@@ -145,7 +139,7 @@ def train_step(run, groups, step):
     metrics, over the whole batch."""
     cfg, Q = run.cfg, len(groups)
     beta = beta_schedule(step, cfg.beta_start, cfg.beta_end, cfg.beta_decay_steps, cfg.beta_stop_step)
-    lr = cfg.lr * run.lr_at(step)
+    lr = cfg.lr * wsd_schedule(step, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_floor, cfg.lr_decay)
     for group in run.opt.param_groups:
         group["lr"] = lr
     if "ref_logp" in cfg.needs:  # (GRPO has no KL term)
@@ -190,19 +184,18 @@ def per_response(groups, name, device="cpu"):
 
 def refresh_ref_logp(run, trajectories):
     """Compute log pi_ref for trajectories scored by another reference (or by none); cache it on them."""
-    stale = [t for t in trajectories if t.ref_version != run.ref_version]
-    if stale:
-        values = score_logprobs(run.ref, [run.prompt_tokens[t.prompt_id] for t in stale], [t.response_ids for t in stale],
-                                run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch,
-                                share_prompt=run.cfg.share_prompt)  # (no grad, micro-batched: ops/models.py)
-        for t, v in zip(stale, values):
-            t.ref_logp, t.ref_version = v, run.ref_version
+    stale = [t for t in trajectories if t.ref_version != run.ref_version]  # (usually none: nothing to compute)
+    values = score_logprobs(run.ref, [run.prompt_tokens[t.prompt_id] for t in stale], [t.response_ids for t in stale],
+                            run.tokenizer.pad_token_id, run.cfg.score_temperature, run.cfg.micro_batch,
+                            share_prompt=run.cfg.share_prompt)  # (no grad, micro-batched: ops/models.py)
+    for t, v in zip(stale, values):
+        t.ref_logp, t.ref_version = v, run.ref_version
 
 
 def publish(run, version):
     """Sync: the trainer's weights become the searchers' policy (never non-finite ones)."""
     run.books.require_finite(run.policy, f"non-finite weights after step {version - 1}: not publishing them")
-    run.books.publish_s = run.searchers.publish(for_searchers(run.cfg, run.policy), version)  # (LoRA: ops/lora.py)
+    run.books.publish_s = run.searchers.publish("policy", for_searchers(run.cfg, run.policy), version)  # (LoRA: ops/lora.py)
 
 
 if __name__ == "__main__":  # your own model, data and reward (tasks/dataset.py): python tba.py --help

@@ -8,6 +8,7 @@ command line), the baselines, the other tasks and the backends are tested in tes
 Run: python -m pytest -q test_tba.py        (the quick subset: python -m pytest -q -m quick)
 """
 
+import functools
 import json
 import math
 import os
@@ -183,22 +184,21 @@ def test_beta_schedule():
 @quick
 def test_wsd_schedule_cosine_as_official_and_linear():
     # official GSM8K: warmup 50, stable 350, cosine decay over 600, stopped at step 700; update u uses lambda(u)
-    lr = wsd_schedule(warmup=50, stable=350, decay=600)
+    lr = functools.partial(wsd_schedule, warmup=50, stable=350, decay=600)
     assert lr(0) == pytest.approx(1 / 50) and lr(48) == pytest.approx(49 / 50) and lr(49) == 1.0
     assert lr(398) == 1.0 and lr(549) == pytest.approx(0.5 * (1 + math.cos(math.pi * 150 / 600)))
     assert lr(699) == pytest.approx(0.5), "the official 700-step run ends halfway down the cosine (lr 5e-6)"
     assert lr(999) == pytest.approx(0.0) and lr(5000) == 0.0
-    linear = wsd_schedule(warmup=0, stable=0, decay=256, decay_type="linear")  # TL;DR: linear, no warmup
+    linear = functools.partial(wsd_schedule, warmup=0, stable=0, decay=256, decay_type="linear")  # TL;DR: linear, no warmup
     assert linear(0) == pytest.approx(255 / 256) and linear(127) == pytest.approx(0.5) and linear(255) == 0.0
-    floored = wsd_schedule(warmup=10, stable=10, decay=10, floor=0.1, decay_type="linear")
+    floored = functools.partial(wsd_schedule, warmup=10, stable=10, decay=10, floor=0.1, decay_type="linear")
     assert floored(24) == pytest.approx(0.1 + 0.9 * 0.5) and floored(100) == pytest.approx(0.1)
     from transformers import get_wsd_schedule  # the official code's scheduler, which loss.py writes out
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     for warmup, stable, decay, floor, kind in [(50, 350, 600, 0.0, "cosine"), (20, 180, 100, 0.1, "linear"),
                                                (0, 0, 256, 0.0, "linear"), (5, 30, 15, 0.1, "cosine")]:
         theirs = get_wsd_schedule(opt, warmup, decay, num_stable_steps=stable, decay_type=kind, min_lr_ratio=floor)
-        ours = wsd_schedule(warmup, stable, decay, floor, kind)
-        assert all(ours(s) == pytest.approx(theirs.lr_lambdas[0](s + 1), abs=1e-12) for s in range(1200))
+        assert all(wsd_schedule(s, warmup, stable, decay, floor, kind) == pytest.approx(theirs.lr_lambdas[0](s + 1), abs=1e-12) for s in range(1200))
 
 
 @quick
@@ -337,7 +337,7 @@ def test_buffer_invariants_hold_for_random_rounds_duplicates_and_capacities():
             step += int(rng.integers(0, 4))
             items = [traj(int(rng.integers(0, 4)), rng.integers(0, 3, size=2).tolist(),
                           version=int(rng.integers(max(0, step - 8), step + 1))) for _ in range(int(rng.integers(0, 9)))]
-            buf.add(items, round_min_version=step - int(rng.integers(0, 5)) if rng.random() < 0.8 else None)
+            buf.add(items, round_min_version=step - int(rng.integers(0, 5)) if rng.random() < 0.8 else 0)
             buf.check()
             if not len(buf):
                 continue

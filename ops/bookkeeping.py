@@ -14,7 +14,7 @@ Everything a training run does besides TBA, behind the one object the trainer lo
                                       (and TensorBoard or W&B, --report-to)
         books.save(step)              a checkpoint (ops/checkpoint.py)
     books.restore()                   a resumed run's state, from its newest readable checkpoint: returns
-                                      (step, reference version, the searchers' state)
+                                      (step, reference version); the searchers get theirs
     step_metrics(...)                 a trainer step's metrics (tba.train_step returns them): loss, log Z, KL,
                                       gradient, off-policy drift, reward, schedules
     books.finish()                    the final evaluation, final/ and result.json, the closing line
@@ -123,7 +123,9 @@ class Bookkeeping:
 
     def wait_for_searchers(self, have, need, reports):
         """Called between two polls of a merge that waits for the searchers (the initial fill, or no new round yet):
-        a stop signal ends the wait (a checkpoint), a dead or silent searcher ends the run."""
+        a stop signal ends the wait (a checkpoint), a dead or silent searcher ends the run. Sleeps 10 ms (polls return
+        at once)."""
+        time.sleep(0.01)
         if self.t_wait is None:
             self.t_wait = time.time()
         if need and self.fill_bar is None:
@@ -261,9 +263,8 @@ class Bookkeeping:
                                keep=self.cfg.keep_checkpoints)
 
     def restore(self):
-        """Load the newest readable checkpoint of --resume into the run's models, optimiser and buffer (a broken
-        newest one is named and the previous used); returns (its step, its reference's version, the searchers'
-        saved state)."""
+        """Load the newest readable checkpoint of --resume into the run's models, optimiser, buffer and searchers (a
+        broken newest one is named and the previous used); returns (its step, its reference's version)."""
         run, cfg = self.run, self.cfg
         for path in checkpoints_newest_first(cfg.resume):
             try:
@@ -277,7 +278,8 @@ class Bookkeeping:
             self.before, self.step = state["before"], state["step"]
             self.tracker.rewind(state["step"])  # (the records of the steps after the checkpoint are made again)
             self.counters = Counters(**{f.name: state[f.name] for f in dataclasses.fields(Counters)})
-            return state["step"], state["ref_version"], state["searchers"]
+            run.searchers.load_state_dict(state["searchers"])  # (before their start: what they resume with)
+            return state["step"], state["ref_version"]
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there could be read")
 
 

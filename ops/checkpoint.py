@@ -60,12 +60,8 @@ def prepare_run_dir(cfg, run_dir_given):
     directory must be writable and not in use by another run (a lock held until this process exits); a
     directory holding an earlier run needs --resume or --overwrite; a resume must keep the run's meaning."""
     global _lock
-    if cfg.auto_resume and not cfg.resume:
-        auto_resume(cfg)
-    if cfg.resume:
-        if run_dir_given and os.path.abspath(cfg.run_dir) != os.path.abspath(cfg.resume):
-            raise ConfigError(f"--resume {cfg.resume} continues that run in its own directory; drop --run-dir {cfg.run_dir}")
-        cfg.run_dir = cfg.resume
+    if cfg.resume or cfg.auto_resume:
+        resume_in_place(cfg, run_dir_given)
     lock_path = os.path.join(cfg.run_dir, ".lock")
     made = [p for p in (cfg.run_dir, lock_path) if not os.path.exists(p)]  # removed again if the run is refused
     try:
@@ -103,6 +99,16 @@ def prepare_run_dir(cfg, run_dir_given):
             path = os.path.join(cfg.run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     remove_leftovers(cfg.run_dir)  # (this run holds the lock: no one else is writing them)
+
+
+def resume_in_place(cfg, run_dir_given):
+    """--resume DIR (or --auto-resume finding a checkpoint) continues the run in DIR: --run-dir becomes DIR."""
+    if cfg.auto_resume and not cfg.resume:
+        auto_resume(cfg)
+    if cfg.resume:
+        if run_dir_given and os.path.abspath(cfg.run_dir) != os.path.abspath(cfg.resume):
+            raise ConfigError(f"--resume {cfg.resume} continues that run in its own directory; drop --run-dir {cfg.run_dir}")
+        cfg.run_dir = cfg.resume
 
 
 def trained_nothing(run_dir):

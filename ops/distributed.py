@@ -199,11 +199,13 @@ class DistSearchers:
             time.sleep(0.01)
         return items, reports
 
-    def publish(self, policy, version):
+    def publish(self, kind, model, version):
+        if kind == "ref":
+            return self.publish_ref(model, version)
         t0 = time.time()
         self.publishes += 1
         self.skipped += self.pending is not None  # (an unsent publish, replaced by this newer one)
-        self.pending = ("policy", version, policy)
+        self.pending = ("policy", version, model)
         self.send_pending()
         return time.time() - t0  # (packing: the transfer runs on a background thread)
 
@@ -214,9 +216,12 @@ class DistSearchers:
             self.pending = None
 
     def publish_ref(self, ref, version):
+        """publish("ref", ...): after the transfer in flight, with the pending policy publish if there is one."""
+        t0 = time.time()
         if self.send_ref:  # (after the transfer in flight, with the pending policy publish if there is one)
             self.sender.send(([self.pending] if self.pending else []) + [("ref", version, ref)], wait=True)
             self.pending = None
+        return time.time() - t0
 
     def pause(self, paused):
         pass  # searcher ranks are not held during an evaluation (they go on generating: time the bench on one machine)

@@ -60,17 +60,8 @@ def launch(cfg, main, run_dir_given=True):
             configure(cfg)
         validate(cfg)
         check_devices(cfg)  # imports torch only when a flag names a CUDA device
-        if cfg.dry_run and not rank:  # every check of a real start that needs no model loaded, then the plans
-            check_installed(cfg)
-            cfg.check_inputs()
-            check_model_at_hand(cfg)
-            return dry_run(cfg)
-        if cfg.dry_run:
-            return 0
-        if rank:  # a searcher rank never trains, and leaves the run directory to rank 0
-            from ops.distributed import searcher_rank_main
-            from searcher import searcher_loop
-            return searcher_rank_main(cfg, searcher_loop)
+        if cfg.dry_run or rank:  # a plan and no run, or a torchrun searcher rank
+            return dry_run_or_search(cfg, rank)
         check_installed(cfg)
         cfg.check_inputs()
         import torch
@@ -98,6 +89,21 @@ def launch(cfg, main, run_dir_given=True):
         if "ops.checkpoint" in sys.modules:
             sys.modules["ops.checkpoint"].release_run_dir()
     return 0
+
+
+def dry_run_or_search(cfg, rank):
+    """--dry-run: every check of a real start that needs no model loaded, then the plans (rank 0 alone prints them).
+    A torchrun searcher rank (rank > 0): the searcher loop; it never trains, and leaves the run directory to rank 0."""
+    if cfg.dry_run and not rank:
+        check_installed(cfg)
+        cfg.check_inputs()
+        check_model_at_hand(cfg)
+        return dry_run(cfg)
+    if cfg.dry_run:
+        return 0
+    from ops.distributed import searcher_rank_main
+    from searcher import searcher_loop
+    return searcher_rank_main(cfg, searcher_loop)
 
 
 def check_installed(cfg):

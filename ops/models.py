@@ -66,7 +66,8 @@ def load_trainer_models(cfg):
 
 def load_for_training(cfg, task):
     """The trainer's (policy, reference, tokenizer, task): `load_trainer_models`, and the task without the prompts
-    longer than --max-prompt-tokens (before any searcher sees them)."""
+    longer than --max-prompt-tokens (before any searcher sees them). Seeds torch with --seed first."""
+    torch.manual_seed(cfg.seed)
     policy, ref, tokenizer = load_trainer_models(cfg)
     return policy, ref, tokenizer, drop_long_prompts(task, tokenizer, cfg.max_prompt_tokens)
 

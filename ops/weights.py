@@ -62,6 +62,8 @@ class SharedWeights:
         self.version.value = version
 
     def publish(self, model, version):
+        """Copy `model`'s weights into every searcher device's copy, as `version`; returns the seconds it took."""
+        t0 = time.time()
         with self.locked():
             state = model.state_dict()
             for copy in self.tensors.values():
@@ -69,6 +71,7 @@ class SharedWeights:
                     t.copy_(state[n].detach())  # (device to device, cast to the searchers' dtype)
             synchronize(state, *self.tensors.values())  # (CUDA copies are asynchronous: done before the version says so)
             self.version.value = version
+        return time.time() - t0
 
     def pull(self, target, tensors, have_version):
         """Copy `tensors` (this searcher's copy) into `target` (a model, or a generator: anything with load_state_dict
@@ -85,23 +88,28 @@ class SharedWeights:
         """Hold the lock; from a process that died holding it, take it over (its copy may be half-written: the
         trainer's publish rewrites every copy, and a searcher reads only after a publish). Waiting more than
         timeout_s for a live holder raises SearcherDied naming it."""
+        if not self.lock.acquire(timeout=0.1):
+            self.wait_for_lock()
+        self.holder.value = os.getpid()
+        try:
+            yield
+        finally:
+            self.holder.value = 0
+            self.lock.release()  # (a multiprocessing Lock may be released by a process that did not acquire it)
+
+
+    def wait_for_lock(self):
+        """`locked`'s wait for a lock another process holds: until it is free, or taken over from a dead holder."""
         deadline = time.time() + self.timeout_s
         while not self.lock.acquire(timeout=0.1):
             with self.holder.get_lock():  # (one process takes over, never two)
                 holder = self.holder.value
                 if holder and not process_alive(holder):
                     self.holder.value = os.getpid()
-                    break  # the lock is ours now
+                    return  # the lock is ours now
             if time.time() > deadline:
                 raise SearcherDied(f"the shared weights' lock has been held for more than {self.timeout_s:g} s "
                                    f"(--searcher-timeout) by {f'pid {holder}' if holder else 'a process that died taking it'}")
-        else:
-            self.holder.value = os.getpid()
-        try:
-            yield
-        finally:
-            self.holder.value = 0
-            self.lock.release()  # (a multiprocessing Lock may be released by a process that did not acquire it)
 
 
 def process_alive(pid):

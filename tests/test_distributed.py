@@ -182,8 +182,8 @@ def _weights_rank_main():
                     for p in list(policy.parameters()) + list(ref.parameters()):
                         p.add_(1.0)
                 searchers.sender.join(60)  # (a publish while a transfer is in flight would be skipped)
-                searchers.publish(policy, version)
-                searchers.publish_ref(ref, version)
+                searchers.publish("policy", policy, version)
+                searchers.publish("ref", ref, version)
             want = f"{_checksum(policy)} {_checksum(ref)}"
             for r in searchers.ranks:
                 searchers.store.wait([f"sum/{r}/{version}"], datetime.timedelta(seconds=60))
@@ -442,9 +442,9 @@ def test_a_publish_made_while_a_transfer_is_in_flight_is_sent_when_it_ends(monke
     searchers = DistSearchers(Config(num_searchers=2, sync_every=1), store=store)
     model = torch.nn.Linear(2, 2)
     try:
-        searchers.publish(model, 1)  # sent: the transfer starts, and takes a while
-        searchers.publish(model, 2)  # in flight: pending
-        searchers.publish(model, 3)  # replaces 2
+        searchers.publish("policy", model, 1)  # sent: the transfer starts, and takes a while
+        searchers.publish("policy", model, 2)  # in flight: pending
+        searchers.publish("policy", model, 3)  # replaces 2
         searchers.poll()
         assert sent == [[("policy", 1)]] and searchers.pending[1] == 3, "nothing is sent while a transfer is in flight"
         receiver_done.set()
@@ -454,11 +454,11 @@ def test_a_publish_made_while_a_transfer_is_in_flight_is_sent_when_it_ends(monke
         assert sent == [[("policy", 1)], [("policy", 3)]] and searchers.pending is None, "the newest publish is sent"
         assert (searchers.publishes, searchers.skipped) == (3, 1)
         receiver_done.clear()
-        searchers.publish(model, 4)  # sent
-        searchers.publish(model, 5)  # pending while 4 is in flight
+        searchers.publish("policy", model, 4)  # sent
+        searchers.publish("policy", model, 5)  # pending while 4 is in flight
         searchers.send_ref = True
         threading.Timer(0.5, receiver_done.set).start()
-        searchers.publish_ref(model, 5)  # waits for the transfer, then sends the pending policy with the reference
+        searchers.publish("ref", model, 5)  # waits for the transfer, then sends the pending policy with the reference
         assert sent[-1] == [("policy", 5), ("ref", 5)] and searchers.pending is None
     finally:
         receiver_done.set()

@@ -199,14 +199,14 @@ sys.path.insert(0, {root!r})
 from config import Config
 from searcher import Searchers
 if __name__ == "__main__":
-    cfg = Config(num_searchers=1, backend="hf", searcher_device="cpu", searcher_dtype="float32")
+    cfg = Config(num_searchers=1, backend="hf", searcher_device="cpu", searcher_dtype="float32", on_searcher_failure="restart")
     searchers = Searchers(cfg)
     searchers.procs[0].kill()  # searcher-0 dies before it reads its job
     searchers.procs[0].join()
     searchers.job, searchers.devices = {{"cfg": cfg, "task": None, "step": 0, "pad": b"x" * 1_000_000}}, ["cpu"]
     searchers.send_job(0)  # (1 MB, more than a pipe holds: the queue's sender thread waits for a reader)
     time.sleep(0.5)
-    searchers.spawn(0)  # what a restart does
+    searchers.restart(0, silent=0.0)  # what check_alive does to a dead searcher
     searchers.close()
     print("closed", flush=True)
 """
@@ -345,7 +345,7 @@ GPUS = torch.cuda.device_count()
     (["--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be > 0"),
     (["--objective", "ppo"], "--objective must be one of tb, rloo, grpo, dr_grpo"),
-    (["--lr-decay", "step"], "--lr-decay must be cosine or linear"),
+    (["--lr-decay", "step"], "--lr-decay must be one of cosine, linear"),
     (["--tb-correction", "ppo"], "--tb-correction must be one of none, trust-region"),
     (["--clip-eps", "1.5"], "--clip-eps must be in (0, 1)"),
     (["--model", "models/does-not-exist/v1"], "--model models/does-not-exist/v1: no such directory, and not a hub id"),

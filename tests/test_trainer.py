@@ -35,7 +35,7 @@ def _step_run(**flags):
                                 zero_grad=lambda set_to_none: policy.zero_grad(set_to_none=set_to_none))
     prompts = ["a b", "b c", "c d e", "d"]
     run = types.SimpleNamespace(cfg=cfg, policy=policy, ref=copy.deepcopy(policy).requires_grad_(False), tokenizer=tokenizer,
-                                opt=opt, lr_at=lambda step: 1.0, prompt_tokens=PromptTokens(tokenizer, prompts), ref_version=0)
+                                opt=opt, prompt_tokens=PromptTokens(tokenizer, prompts), ref_version=0)
     ids = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) + (tokenizer.eos_token_id,)
     groups = [[Trajectory(prompt_id=x, response_ids=ids(" ".join(WORDS[(x + k) % 6:(x + k) % 6 + 1 + k])), reward=float(k == x % 2),
                           policy_version=0) for k in range(2)] for x in range(4)]  # (ref_version -1: scored by the trainer)
@@ -84,7 +84,7 @@ def test_refresh_ref_logp_rescores_after_a_reference_reset():
     import tba
     run, groups, _ = _step_run()
     sent = []
-    run.searchers = __import__("types").SimpleNamespace(publish_ref=lambda ref, version: sent.append(version))
+    run.searchers = __import__("types").SimpleNamespace(publish=lambda kind, ref, version: sent.append((kind, version)))
     tba.refresh_ref_logp(run, [t for g in groups for t in g])
     old = tba.per_response(groups, "ref_logp")
     with torch.no_grad():
@@ -93,7 +93,7 @@ def test_refresh_ref_logp_rescores_after_a_reference_reset():
     tba.reset_reference(run, 3)
     tba.refresh_ref_logp(run, [t for g in groups for t in g])
     new = tba.per_response(groups, "ref_logp")
-    assert sent == [3] and all(t.ref_version == 3 for g in groups for t in g)
+    assert sent == [("ref", 3)] and all(t.ref_version == 3 for g in groups for t in g)
     assert torch.allclose(new, _plain_logprobs(run.policy, run, groups), atol=1e-5) and not torch.allclose(new, old, atol=1e-3)
 
 
