@@ -104,7 +104,7 @@ class ReplayBuffer:
             t.round, per_prompt[key] = self.num_rounds, t
         latest = {}
         for x in {t.prompt_id for t in trajectories}:  # (x: a prompt id)
-            # capacity: the oldest by policy version go (ties: the first stored; dicts keep insertion order, sorted() is stable)
+            # over capacity: the oldest by policy version go (ties: the first stored; dicts keep order, sorted() is stable)
             excess = max(len(self.items[x]) - self.capacity, 0)
             for key, _ in sorted(self.items[x].items(), key=lambda kv: kv[1].policy_version)[:excess]:
                 self._drop(x, key)

@@ -128,7 +128,7 @@ class Searchers:
         """(trajectories, reports): every Trajectory the searchers sent since the last poll, in order per searcher,
         and each batch's report."""
         batches = [(rank, batch) for rank, out in enumerate(self.queues) for batch in drain(out)]  # (ops/processes.py)
-        self.last_heard.update((rank, time.time()) for rank, _ in batches)
+        self.last_heard.update((rank, time.time()) for rank, _ in batches)  # (silent for --searcher-timeout: failed)
         return [t for _, b in batches for t in b.trajectories], [{**b.report, "rank": rank} for rank, b in batches]
 
     def publish(self, kind, model, version):
