@@ -313,8 +313,13 @@ class PromptSampler:
         return {"rng": self.rng.getstate(), "order": self.order, "pos": self.pos}  # (JSON: tuples become lists)
 
     def load_state_dict(self, state):
-        self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))  # (JSON made its tuples lists)
+        self.rng.setstate(rng_state(state["rng"]))
         self.order, self.pos = state["order"], state["pos"]
+
+
+def rng_state(saved):
+    """A `random.Random` state as a checkpoint saved it, made a state again (JSON made its tuples lists)."""
+    return saved[0], tuple(saved[1]), saved[2]
 
 
 @dataclass
@@ -366,8 +371,7 @@ class SyncSearch:
         self.prompts = PromptSampler(len(task.prompts), 0, 1, cfg.prompts_per_step, cfg.seed)
         if self.resumed is not None:  # (where a resumed run's prompts and temperatures had got to)
             self.prompts.load_state_dict(self.resumed["prompts"])
-            rng = self.resumed["searcher_rng"]
-            self.searcher.rng.setstate((rng[0], tuple(rng[1]), rng[2]))  # (JSON made its tuples lists)
+            self.searcher.rng.setstate(rng_state(self.resumed["searcher_rng"]))
 
     def poll(self):
         """A fresh batch: Q prompts x S responses from the current policy, and its report."""

@@ -216,7 +216,7 @@ class DistSearchers:
             self.pending = None
 
     def publish_ref(self, ref, version):
-        """publish("ref", ...): after the transfer in flight, with the pending policy publish if there is one."""
+        """publish("ref", ...): the reference, to searchers that score it (returns the seconds it took)."""
         t0 = time.time()
         if self.send_ref:  # (after the transfer in flight, with the pending policy publish if there is one)
             self.sender.send(([self.pending] if self.pending else []) + [("ref", version, ref)], wait=True)
